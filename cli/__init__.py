@@ -1,0 +1,1 @@
+"""Command-line entry points of the `dflash` distribution (installed as the `dflash_cli` package)."""

@@ -1,0 +1,97 @@
+"""`dflash cache info|verify|ls`: look into caches."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from dflash_cli.main import user_errors
+
+
+@click.group()
+def cache():
+    """Inspect and check hidden-state caches."""
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+
+
+@cache.command()
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@user_errors
+def info(path, as_json):
+    """Manifest and progress of the cache at PATH."""
+    from dflash.cache import info as cache_info
+
+    i = cache_info(path)
+    if as_json:
+        click.echo(json.dumps(i, indent=2))
+        return
+    m = i["manifest"]
+    dropped = ", ".join(f"{n} {r}" for r, n in i["rows"]["dropped"].items()) or "none"
+    lines = [
+        f"cache        {i['path']}",
+        f"key          {i['cache_key']}  (format {m['format_version']}, dflash {m['dflash_version']})",
+        f"target       {m['target']['name'] or m['target']['path']}  ({m['target']['model_type']}, "
+        f"{m['target']['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']})",
+        f"layers       {m['layer_ids']}",
+        f"shards       {i['shards']['committed']}/{i['shards']['total']} committed"
+        + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}",
+        f"rows         {i['rows']['total']} read, {i['rows']['planned']} planned, "
+        f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; dropped: {dropped}",
+        f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), {i['tokens']['committed']:,} committed",
+        f"fill ratio   {i['fill_ratio']:.1%}",
+        f"on disk      {_size(i['bytes_on_disk'])}"
+        + (f"  ({_size(i['bytes_per_token'])} per token)" if i["bytes_per_token"] else ""),
+        f"storage      {m['storage_dtype']} (computed in {m['compute_dtype']})",
+    ]
+    click.echo("\n".join(lines))
+
+
+@cache.command()
+@click.argument("path", type=click.Path(file_okay=False))
+@user_errors
+def verify(path):
+    """Check every committed shard against its checksums; exit 1 naming the bad shards."""
+    from tqdm.auto import tqdm
+
+    from dflash.cache import verify as cache_verify
+
+    bad = cache_verify(path, progress=lambda it: tqdm(it, desc="verify", unit="shard", leave=False))
+    if bad:
+        for shard, problem in bad:
+            click.echo(f"{path}: {'shard ' + str(shard) if shard >= 0 else 'weights'}: {problem}", err=True)
+        shards = [s for s, _ in bad if s >= 0]
+        click.echo(f"error: {len(bad)} problem(s); bad shards: {shards}", err=True)
+        sys.exit(1)
+    click.echo(f"{path}: all committed shards verified")
+
+
+@cache.command(name="ls")
+@click.argument("root", type=click.Path(file_okay=False), default=".")
+@user_errors
+def ls(root):
+    """List the caches under ROOT."""
+    from dflash.cache import disk_bytes, find_caches, info as cache_info
+
+    rows = []
+    for p in find_caches(root):
+        i = cache_info(p)
+        m = i["manifest"]
+        rows.append((str(p), m["target"]["name"] or m["target"]["path"], ",".join(map(str, m["layer_ids"])),
+                     str(m["token_budget"]), f"{i['shards']['committed']}/{i['shards']['total']}",
+                     f"{i['tokens']['committed']:,}", _size(disk_bytes(p)), m["cache_key"]))
+    if not rows:
+        click.echo(f"no caches under {root}")
+        return
+    header = ("path", "target", "layers", "T", "shards", "tokens", "size", "key")
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+    for r in [header, *rows]:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -1,0 +1,292 @@
+"""The hidden-state cache: a zarr v3 group of fixed-shape shards (format in data/README.md).
+
+Layout of a cache folder:
+    zarr.json                     group; attribute "dflash" = the manifest (written last at creation)
+    hidden/ input_ids/ loss_mask/ target_ids/ doc_lens/ row_ids/      the shard arrays
+    dropped_row_ids/ dropped_reasons/ truncated_row_ids/             what the plan left out or cut
+    commits/00000042.json         shard 42's commit record (checksums), written last, atomically
+    target_weights.safetensors    the target's embed_tokens and lm_head, for training
+    target_config.json            the target's config.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import zarr
+import zarr.codecs
+
+from dflash.errors import DflashError
+
+FORMAT_VERSION = 1
+MANIFEST_ATTR = "dflash"
+COMMITS = "commits"
+WEIGHTS_FILE = "target_weights.safetensors"
+TARGET_CONFIG_FILE = "target_config.json"
+# Arrays extract writes per shard; `doc_lens` and `row_ids` are the plan, written before any forward.
+SHARD_ARRAYS = ("input_ids", "loss_mask", "target_ids")
+PLAN_ARRAYS = ("doc_lens", "row_ids")
+# Manifest fields hashed into the cache key: everything that changes what the cache holds.
+KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokenizer_hash", "chat_template_hash",
+              "data_sha256", "limit", "layer_ids", "token_budget", "max_docs", "max_len", "compute_dtype",
+              "storage_dtype", "packer")
+
+
+class CorruptShardError(DflashError):
+    def __init__(self, cache: str | Path, shard: int, detail: str):
+        super().__init__(f"{cache}: shard {shard} is corrupt ({detail}); run `dflash cache verify {cache}`")
+        self.shard, self.detail = shard, detail
+
+
+def cache_key(fields: dict) -> str:
+    return hashlib.sha256(json.dumps({k: fields[k] for k in KEY_FIELDS}, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def key_differences(old: dict, new: dict) -> list[str]:
+    """Names (and short values) of the key fields in which two manifests differ."""
+    diffs = []
+    for k in KEY_FIELDS:
+        a, b = old.get(k), new.get(k)
+        if a != b:
+            short = lambda v: (json.dumps(v)[:40] + "…") if len(json.dumps(v)) > 40 else json.dumps(v)  # noqa: E731
+            diffs.append(f"{k} ({short(a)} in the cache, {short(b)} now)")
+    return diffs
+
+
+def checksum(a: np.ndarray) -> int:
+    return google_crc32c.value(np.ascontiguousarray(a))
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of a cache folder; None if the folder is not (yet) a complete dflash cache."""
+    meta = Path(path) / "zarr.json"
+    try:
+        return json.loads(meta.read_text()).get("attributes", {}).get(MANIFEST_ATTR)
+    except (OSError, ValueError):
+        return None
+
+
+def _bytes_codecs(compressor: str):
+    # crc32c last: every chunk carries its own checksum, so a flipped byte fails the read and is named.
+    return ([zarr.codecs.ZstdCodec(level=1)] if compressor == "zstd" else []) + [zarr.codecs.Crc32cCodec()]
+
+
+def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_reasons: np.ndarray,
+                 truncated: np.ndarray, weights: dict, target_config: dict, compressor: str = "none") -> None:
+    """Create the group, its arrays and the plan; the manifest goes in last, so a folder without one is
+    an interrupted creation that the next run starts over."""
+    from safetensors.torch import save_file
+
+    S, D = plan.row_ids.shape
+    T, L, H = manifest["token_budget"], len(manifest["layer_ids"]), manifest["hidden_size"]
+    group = zarr.open_group(path, mode="w")
+    conf = {"write_empty_chunks": True}  # a missing chunk is then always damage, never "all fill"
+
+    def array(name, shape, chunks, dtype, fill, codecs=None):
+        return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
+                                  compressors=codecs or _bytes_codecs("none"), config=conf)
+
+    array("hidden", (S, T, L, H), (1, T, 1, H), "uint16", 0, _bytes_codecs(compressor))
+    array("input_ids", (S, T), (1, T), "int32", manifest["pad_id"])
+    array("loss_mask", (S, T), (1, T), "uint8", 0)
+    array("target_ids", (S, T), (1, T), "int32", manifest["pad_id"])
+    array("doc_lens", (S, D), (1, D), "int32", 0)[:] = plan.doc_lens
+    array("row_ids", (S, D), (1, D), "int64", -1)[:] = plan.row_ids
+    for name, values, dtype in (("dropped_row_ids", dropped, "int64"), ("dropped_reasons", dropped_reasons, "uint8"),
+                                ("truncated_row_ids", truncated, "int64")):
+        a = array(name, (len(values),), (max(len(values), 1),), dtype, 0)
+        if len(values):
+            a[:] = values
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS_FILE),
+              metadata={"cache_key": manifest["cache_key"]})
+    (path / TARGET_CONFIG_FILE).write_text(json.dumps(target_config, indent=2, sort_keys=True))
+    (path / COMMITS).mkdir(exist_ok=True)
+    manifest = dict(manifest, weights_sha256=_file_sha256(path / WEIGHTS_FILE))
+    group.attrs[MANIFEST_ATTR] = manifest
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Shard:
+    index: int
+    hidden: np.ndarray  # [T, L', H] uint16 (bf16 bits), L' = the layers the cache was opened for
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] uint8
+    target_ids: np.ndarray  # [T] int32
+    doc_lens: np.ndarray  # [D] int32
+    row_ids: np.ndarray  # [D] int64
+
+
+class Cache:
+    """A cache opened for reading (any subset of its layers) or, by extract, for writing shards."""
+
+    def __init__(self, path: str | Path, layers: list[int] | None = None, mode: str = "r"):
+        self.path = Path(path)
+        manifest = read_manifest(self.path)
+        if manifest is None:
+            raise DflashError(f"{path}: not a dflash cache (no manifest in {self.path / 'zarr.json'})")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise DflashError(f"{path}: cache format {manifest.get('format_version')} is not supported "
+                              f"(this dflash reads format {FORMAT_VERSION})")
+        self.manifest = manifest
+        self.group = zarr.open_group(self.path, mode=mode)
+        self.arrays = {name: self.group[name] for name in ("hidden", *SHARD_ARRAYS, *PLAN_ARRAYS)}
+        cached = manifest["layer_ids"]
+        self.layer_ids = list(cached if layers is None else layers)
+        missing = [i for i in self.layer_ids if i not in cached]
+        if missing:
+            raise DflashError(f"{path}: layers {missing} are not in the cache (it holds layers {cached})")
+        self.layer_slots = [cached.index(i) for i in self.layer_ids]  # positions along the L axis
+
+    @property
+    def num_shards(self) -> int:
+        return self.manifest["num_shards"]
+
+    @property
+    def token_budget(self) -> int:
+        return self.manifest["token_budget"]
+
+    def _record_path(self, shard: int) -> Path:
+        return self.path / COMMITS / f"{shard:08d}.json"
+
+    def commit_record(self, shard: int) -> dict | None:
+        try:
+            record = json.loads(self._record_path(shard).read_text())
+        except (OSError, ValueError):
+            return None  # absent, or torn by a crash while written: not committed
+        return record if record.get("cache_key") == self.manifest["cache_key"] else None
+
+    def committed(self) -> list[int]:
+        """Shards with a commit record, read afresh (extract may still be adding some)."""
+        found = []
+        for p in (self.path / COMMITS).glob("*.json"):
+            if p.stem.isdigit() and int(p.stem) < self.num_shards and self.commit_record(int(p.stem)) is not None:
+                found.append(int(p.stem))
+        return sorted(found)
+
+    def plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row_ids [S, D], doc_lens [S, D]) of every shard, committed or not."""
+        return self.arrays["row_ids"][:], self.arrays["doc_lens"][:]
+
+    # -- writing (extract) --------------------------------------------------------------------------
+
+    def write_shard(self, shard: int, hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,
+                    target_ids: np.ndarray) -> None:
+        """Write one shard's arrays, then its commit record. `hidden` is [L, T, H] uint16, one
+        contiguous [T, H] block per chunk."""
+        hidden_arr = self.arrays["hidden"]
+        sums = {"hidden": []}
+        for slot, block in enumerate(hidden):
+            hidden_arr[shard, :, slot, :] = block
+            sums["hidden"].append(checksum(block))
+        for name, values in (("input_ids", input_ids), ("loss_mask", loss_mask), ("target_ids", target_ids)):
+            self.arrays[name][shard] = values
+            sums[name] = checksum(values)
+        row_ids, doc_lens = self.arrays["row_ids"][shard], self.arrays["doc_lens"][shard]
+        sums["row_ids"], sums["doc_lens"] = checksum(row_ids), checksum(doc_lens)
+        record = {"shard": shard, "cache_key": self.manifest["cache_key"], "docs": int((row_ids >= 0).sum()),
+                  "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()), "crc32c": sums}
+        path = self._record_path(shard)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)  # atomic: the record is either whole or absent
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def read_shard(self, shard: int, verify: bool = True) -> Shard:
+        """One committed shard, reading only the chunks of the opened layers. With `verify`, the bytes
+        are checked against the commit record, which also catches a chunk deleted from disk."""
+        record = self.commit_record(shard)
+        if record is None:
+            raise DflashError(f"{self.path}: shard {shard} is not committed")
+        T, H = self.token_budget, self.manifest["hidden_size"]
+        hidden = np.empty((T, len(self.layer_slots), H), np.uint16)
+        sums = record["crc32c"]
+        for j, slot in enumerate(self.layer_slots):
+            block = self._read(shard, "hidden", (shard, slice(None), slot, slice(None)))
+            if verify and checksum(block) != sums["hidden"][slot]:
+                raise CorruptShardError(self.path, shard, f"hidden layer {self.manifest['layer_ids'][slot]}: checksum mismatch")
+            hidden[:, j] = block
+        out = {}
+        for name in (*SHARD_ARRAYS, *PLAN_ARRAYS):
+            out[name] = self._read(shard, name, shard)
+            if verify and checksum(out[name]) != sums[name]:
+                raise CorruptShardError(self.path, shard, f"{name}: checksum mismatch")
+        return Shard(shard, hidden, **out)
+
+    def _read(self, shard: int, name: str, selection) -> np.ndarray:
+        try:
+            return self.arrays[name][selection]
+        except Exception as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
+            raise CorruptShardError(self.path, shard, f"{name}: {str(e).splitlines()[0][:120]}") from None
+
+
+# -- inspection (cache info / verify / ls) -------------------------------------------------------------
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def info(path: str | Path) -> dict:
+    cache = Cache(path)
+    m = cache.manifest
+    committed = cache.committed()
+    row_ids, doc_lens = cache.plan()
+    S, T = m["num_shards"], m["token_budget"]
+    done_tokens = int(doc_lens[committed].sum()) if committed else 0
+    size = disk_bytes(cache.path)
+    return {
+        "path": str(cache.path),
+        "cache_key": m["cache_key"],
+        "complete": len(committed) == S,
+        "shards": {"committed": len(committed), "total": S},
+        "rows": {"total": m["stats"]["rows"], "planned": m["stats"]["docs"],
+                 "in_committed_shards": int((row_ids[committed] >= 0).sum()) if committed else 0,
+                 "truncated": m["stats"]["truncated"], "dropped": m["stats"]["dropped"]},
+        "tokens": {"planned": m["stats"]["tokens"], "committed": done_tokens, "loss": m["stats"]["loss_tokens"]},
+        "fill_ratio": m["stats"]["tokens"] / (S * T),
+        "bytes_on_disk": size,
+        "bytes_per_token": size / done_tokens if done_tokens else None,
+        "manifest": m,
+    }
+
+
+def verify(path: str | Path, progress=None) -> list[tuple[int, str]]:
+    """(shard, problem) for every committed shard that fails its checksums, and for a damaged weights
+    file (shard -1). Uncommitted shards are not errors: extract has not finished them."""
+    cache = Cache(path)
+    bad = []
+    if _file_sha256(cache.path / WEIGHTS_FILE) != cache.manifest["weights_sha256"]:
+        bad.append((-1, f"{WEIGHTS_FILE}: checksum mismatch"))
+    shards = cache.committed()
+    for s in progress(shards) if progress else shards:
+        try:
+            cache.read_shard(s, verify=True)
+        except CorruptShardError as e:
+            bad.append((s, e.detail))
+    return bad
+
+
+def find_caches(root: str | Path) -> list[Path]:
+    """Cache folders under root (not descending into a cache)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if "zarr.json" in filenames and read_manifest(dirpath) is not None:
+            found.append(Path(dirpath))
+            dirnames.clear()
+        dirnames.sort()
+    return found

@@ -1,0 +1,147 @@
+"""Run configuration: kw-only dataclasses filled from a TOML preset, then from CLI options.
+
+A preset (`configs/*.toml`) has one table per stage (`[extract]`, later `[train]`); relative paths in
+it are resolved against the preset's own folder, so a preset works from any working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.errors import DflashError
+
+
+@dataclass(kw_only=True)
+class ExtractConfig:
+    """Everything `dflash extract` needs; the fields that change the cache's contents feed its key."""
+
+    target: str = ""
+    """Hugging Face causal LM: a local folder or a hub id (must already be in the local HF cache
+    when the machine is offline)."""
+    data: list[str] = field(default_factory=list)
+    """Input files, JSONL (`{"text"}` or `{"messages"}` rows) or Parquet, read in this order."""
+    out: str = ""
+    """The cache folder (a zarr v3 group). Re-running with the same inputs resumes it."""
+    layers: list[int] | None = None
+    """Target layer ids to capture (id i = output of decoder layer i). None: the default ids for a
+    drafter of `draft_layers` layers."""
+    draft_layers: int = 5
+    """Depth of the drafter the default `layers` are chosen for (DESIGN.md's formula)."""
+    token_budget: int = 8192
+    """T: tokens per shard. Every shard has exactly T positions (pad after the last document)."""
+    max_docs: int = 64
+    """D: most documents packed into one shard."""
+    max_len: int | None = None
+    """Documents longer than this are truncated (and counted). None: T."""
+    batch_size: int = 16
+    """Most documents (padded rows) in one target forward."""
+    batch_tokens: int = 32768
+    """Most padded tokens (rows x longest row) in one target forward."""
+    window: int = 4
+    """Shards planned into one group of forwards; a window is the unit a rank takes and, after a
+    crash, recomputes. Batches never span windows, so a resumed run computes identical batches."""
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
+    dtype: str = "auto"
+    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
+    limit: int | None = None
+    """Use only the first N rows of the data (in file order)."""
+    compressor: str = "none"
+    """Chunk compression of `hidden`: `none` (fastest) or `zstd` (level 1, ~1.3x smaller)."""
+    attn_implementation: str | None = None
+    """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None: transformers' choice."""
+    trust_remote_code: bool = False
+    """Allow the target's own modeling code. Off unless asked for."""
+
+    def resolved_max_len(self) -> int:
+        return self.token_budget if self.max_len is None else self.max_len
+
+    def validate(self) -> None:
+        if not self.target:
+            raise DflashError("no target: pass --target or set `target` in the preset")
+        if not self.data:
+            raise DflashError("no data: pass --data or set `data` in the preset")
+        if not self.out:
+            raise DflashError("no output folder: pass --out")
+        for name in ("token_budget", "max_docs", "batch_size", "batch_tokens", "window", "draft_layers"):
+            if getattr(self, name) < 1:
+                raise DflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 2 <= self.resolved_max_len() <= self.token_budget:
+            raise DflashError(f"--max-len must be in [2, token budget {self.token_budget}], got {self.max_len}")
+        if self.batch_tokens < self.resolved_max_len():
+            raise DflashError(f"--batch-tokens {self.batch_tokens} is below the longest document ({self.resolved_max_len()})")
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise DflashError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.compressor not in ("none", "zstd"):
+            raise DflashError(f"--compressor must be none or zstd, got {self.compressor!r}")
+        if self.limit is not None and self.limit < 1:
+            raise DflashError(f"--limit must be >= 1, got {self.limit}")
+
+
+# Fields holding paths: resolved against the preset's folder when they come from a preset.
+_PATH_FIELDS = {"target", "data", "out"}
+
+
+def load_preset(path: str | Path) -> dict:
+    """The TOML preset as a dict (one table per stage)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise DflashError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise DflashError(f"--config {path}: invalid TOML ({e})") from None
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    # A value that is not an existing relative path (a hub id such as "Qwen/Qwen3-8B") stays as is.
+    candidate = base / value
+    if Path(value).is_absolute() or not (candidate.exists() or value.startswith(".")):
+        return value
+    return str(candidate.resolve())
+
+
+def build_config(cls: type, preset: str | Path | None, section: str, overrides: dict):
+    """`cls` filled from `[section]` of the preset, then from `overrides` (CLI values that are not None)."""
+    values: dict = {}
+    if preset is not None:
+        table = load_preset(preset).get(section, {})
+        base = Path(preset).resolve().parent
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in table.items():
+            if key not in known:
+                raise DflashError(f"--config {preset}: unknown key {key!r} in [{section}]")
+            if key in _PATH_FIELDS:
+                value = [_resolve_path(v, base) for v in value] if isinstance(value, list) else _resolve_path(value, base)
+            values[key] = value
+    values.update({k: v for k, v in overrides.items() if v is not None and v != () and v != []})
+    try:
+        cfg = cls(**values)
+    except TypeError as e:
+        raise DflashError(f"bad configuration: {e}") from None
+    _check_types(cfg, preset)
+    return cfg
+
+
+def _check_types(cfg, preset) -> None:
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        allowed = typing.get_args(hint) if is_union else (hint,)
+        origins = {typing.get_origin(a) or a for a in allowed}
+        if value is None and type(None) in origins:
+            continue
+        if isinstance(value, bool) and bool not in origins:
+            ok = False
+        else:
+            ok = any(isinstance(value, o) for o in origins if isinstance(o, type))
+        if not ok:
+            where = f"--config {preset}: " if preset else ""
+            raise DflashError(f"{where}{f.name} = {value!r} has the wrong type (expected {hint})")

@@ -1,0 +1,202 @@
+"""Input reading: JSONL / Parquet rows -> tokenized documents with a loss mask.
+
+A row is `{"text": ...}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}` rendered
+with the target tokenizer's chat template (loss only on assistant tokens). Its row id is its global
+index: files are read in the given order and every non-blank JSONL line / Parquet row is one row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from dflash.errors import DflashError
+
+# Why a row yields no document. The index is what the cache stores (`dropped_reasons`).
+DROP_REASONS = ("empty text", "no assistant tokens", "too short")
+
+
+@dataclass(frozen=True)
+class Row:
+    row_id: int
+    where: str  # "file:line" for error messages
+    record: dict
+
+
+@dataclass(frozen=True)
+class Doc:
+    row_id: int
+    input_ids: np.ndarray  # [n] int32
+    loss_mask: np.ndarray  # [n] uint8
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class Dropped:
+    row_id: int
+    reason: int  # index into DROP_REASONS
+
+
+def file_fingerprints(paths: list[str]) -> list[dict]:
+    """Path, size and sha256 of each input file (the dataset part of the cache key)."""
+    out = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise DflashError(f"--data {p}: no such file")
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        out.append({"path": str(path.resolve()), "size": path.stat().st_size, "sha256": h.hexdigest()})
+    return out
+
+
+def read_rows(paths: list[str], limit: int | None = None, per_file: dict[str, int] | None = None) -> Iterator[Row]:
+    """Every row of every file, in order, with its global row id; stops after `limit` rows.
+    `per_file` (if given) receives the row count of each file, by resolved path."""
+    row_id = 0
+    for p in paths:
+        reader = _parquet_rows if p.endswith(".parquet") else _jsonl_rows
+        key = str(Path(p).resolve())
+        for where, record in reader(p):
+            if limit is not None and row_id >= limit:
+                return
+            _check_row(record, where)
+            yield Row(row_id, where, record)
+            row_id += 1
+            if per_file is not None:
+                per_file[key] = per_file.get(key, 0) + 1
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DflashError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            yield f"{path}:{lineno}", record
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DflashError(f"{path}: reading Parquet needs pyarrow (pip install 'dflash[parquet]')") from None
+    table = pq.read_table(path)
+    for i, record in enumerate(table.to_pylist()):
+        yield f"{path}#row{i}", record
+
+
+def _check_row(record, where: str) -> None:
+    if not isinstance(record, dict):
+        raise DflashError(f"{where}: a row must be a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise DflashError(f"{where}: 'messages' must be a list of {{\"role\": str, \"content\": str}}")
+    elif "text" in record:
+        if not isinstance(record["text"], str):
+            raise DflashError(f"{where}: 'text' must be a string")
+    else:
+        raise DflashError(f"{where}: row has neither 'text' nor 'messages' (keys: {', '.join(sorted(record)) or 'none'})")
+
+
+class Tokenizer:
+    """Turns rows into documents: token ids, loss mask, truncation to `max_len`."""
+
+    def __init__(self, tokenizer, max_len: int):
+        self.tok = tokenizer
+        self.max_len = max_len
+        self.eos = tokenizer.eos_token
+
+    def __call__(self, rows: list[Row], batch: int = 512) -> Iterator[Doc | Dropped]:
+        for i in range(0, len(rows), batch):
+            yield from self._batch(rows[i : i + batch])
+
+    def _batch(self, rows: list[Row]) -> Iterator[Doc | Dropped]:
+        texts, spans = [], []
+        for row in rows:
+            if "messages" in row.record:
+                text, row_spans = self._render(row)
+            else:
+                text, row_spans = row.record["text"], None  # None: every token is trained on
+            texts.append(text)
+            spans.append(row_spans)
+        chat = [s is not None for s in spans]
+        enc_text = self._encode([t for t, c in zip(texts, chat) if not c], special=True, offsets=False)
+        enc_chat = self._encode([t for t, c in zip(texts, chat) if c], special=False, offsets=True)
+        it_text, it_chat = iter(enc_text), iter(enc_chat)
+        for row, row_spans in zip(rows, spans):
+            if row_spans is None:
+                ids, _ = next(it_text)
+                if not row.record["text"].strip():
+                    yield Dropped(row.row_id, DROP_REASONS.index("empty text"))
+                    continue
+                mask = np.ones(len(ids), np.uint8)
+            else:
+                ids, offsets = next(it_chat)
+                mask = _mask_from_spans(offsets, row_spans)
+            yield self._finish(row.row_id, ids, mask)
+
+    def _encode(self, texts: list[str], special: bool, offsets: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        if not texts:
+            return []
+        enc = self.tok(texts, add_special_tokens=special, return_offsets_mapping=offsets, return_attention_mask=False)
+        offs = enc["offset_mapping"] if offsets else [None] * len(texts)
+        return [(np.asarray(ids, np.int32), None if o is None else np.asarray(o, np.int64).reshape(-1, 2))
+                for ids, o in zip(enc["input_ids"], offs)]
+
+    def _render(self, row: Row) -> tuple[str, list[tuple[int, int]]]:
+        """The chat-template text and the character spans of assistant turns (with their end token)."""
+        if not self.tok.chat_template:
+            raise DflashError(f"{row.where}: 'messages' rows need a chat template, and the target tokenizer has none")
+        try:
+            text = self.tok.apply_chat_template(row.record["messages"], tokenize=False)
+        except Exception as e:  # jinja errors: bad roles, template-specific checks
+            raise DflashError(f"{row.where}: the chat template refused this conversation ({e})") from None
+        spans, cursor = [], 0
+        for m in row.record["messages"]:
+            if m["role"] != "assistant" or not m["content"].strip():
+                continue
+            content = m["content"]
+            start = text.find(content, cursor)
+            if start < 0:  # templates may strip the content
+                content = content.strip()
+                start = text.find(content, cursor)
+            if start < 0:
+                continue
+            end = start + len(content)
+            if self.eos and text.startswith(self.eos, end):  # train on the end of the turn too
+                end += len(self.eos)
+            spans.append((start, end))
+            cursor = end
+        return text, spans
+
+    def _finish(self, row_id: int, ids: np.ndarray, mask: np.ndarray) -> Doc | Dropped:
+        truncated = len(ids) > self.max_len
+        ids, mask = ids[: self.max_len], mask[: self.max_len]
+        # A drafter anchor needs a trained token and the one after it, so < 2 tokens is useless.
+        if len(ids) < 2:
+            return Dropped(row_id, DROP_REASONS.index("too short"))
+        if not mask[1:].any():
+            return Dropped(row_id, DROP_REASONS.index("no assistant tokens"))
+        return Doc(row_id, ids, mask, truncated)
+
+
+def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens whose characters overlap an assistant span."""
+    mask = np.zeros(len(offsets), np.uint8)
+    for a, b in spans:
+        mask |= ((offsets[:, 0] < b) & (offsets[:, 1] > a)).astype(np.uint8)
+    return mask

@@ -1,0 +1,437 @@
+"""`dflash extract`: run a frozen target over a dataset once and write the hidden-state cache.
+
+Flow (per rank): key -> (rank 0) plan + create, or resume -> windows of shards -> batched forwards into
+a device buffer -> copy to (pinned) host -> writer thread writes the shards and their commit records
+while the next window runs. A window is `window` consecutive shards; window k belongs to rank
+k % world, so several torchrun ranks write one cache, each its own shards.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import dflash
+from dflash import cache as cachelib
+from dflash.config import ExtractConfig
+from dflash.data import DROP_REASONS, Doc, Dropped, Tokenizer, file_fingerprints, read_rows
+from dflash.dist import Dist, close_dist, init_dist
+from dflash.errors import DflashError
+from dflash.packing import PACKER, plan_shards
+from dflash.target import (Target, check_layer_ids, config_hash, default_layer_ids, linear_attention_backend,
+                           load_target, resolve_device, resolve_dtype, resolve_target, text_config,
+                           tokenizer_hash, weights_fingerprint)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def extract(cfg: ExtractConfig, log=print) -> dict:
+    """Extract (or resume) the cache described by `cfg`; returns a summary of what this rank did."""
+    cfg.validate()
+    d = init_dist()
+    try:
+        return _extract(cfg, d, log if d.is_main else (lambda *a, **k: None))
+    finally:
+        close_dist()
+
+
+def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
+    out = Path(cfg.out)
+    if d.is_main:
+        _check_writable(out)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    target_path = resolve_target(cfg.target, cfg.trust_remote_code)
+    config, tokenizer = _load_config_and_tokenizer(target_path, cfg.trust_remote_code)
+    tconf = text_config(config)
+    layer_ids = check_layer_ids(cfg.layers, tconf.num_hidden_layers) if cfg.layers else \
+        default_layer_ids(tconf.num_hidden_layers, cfg.draft_layers)
+
+    docs: dict[int, Doc] = {}
+    model = None
+    if d.is_main:
+        fields = _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype)
+        existing = cachelib.read_manifest(out)
+        if existing is not None:
+            diffs = cachelib.key_differences(existing, fields)
+            if diffs:
+                raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
+                                  + "; ".join(diffs) + ". Use another --out.")
+        else:
+            docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
+            model = _load_model(target_path, device, dtype, cfg)
+            _create(out, fields, manifest_extra, plan_arrays, model, tconf, tokenizer, cfg.compressor)
+            log(f"planned {manifest_extra['num_shards']} shards of {cfg.token_budget} tokens "
+                f"(fill {manifest_extra['stats']['tokens'] / (manifest_extra['num_shards'] * cfg.token_budget):.1%})")
+    d.barrier()
+
+    cache = cachelib.Cache(out, mode="r+")
+    committed = set(cache.committed())
+    windows = _my_windows(cache.num_shards, committed, cfg.window, d)
+    if not windows:
+        log(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): nothing to do")
+        d.barrier()
+        return {"shards_written": 0, "complete": True}
+    if model is None:
+        model = _load_model(target_path, device, dtype, cfg)
+    docs = _docs_for(cfg, tokenizer, cache, windows, docs)
+    target = Target(model, layer_ids)
+    if any("GatedDeltaNet" in type(m).__name__ for m in model.modules()):
+        log(f"linear-attention layers run on the {linear_attention_backend()} path")
+    stats = _run(cfg, cache, committed, target, windows, docs, device, d, log)
+    d.barrier()
+    if d.is_main:
+        done = len(cache.committed())
+        log(f"{out}: {done}/{cache.num_shards} shards committed" + (" (complete)" if done == cache.num_shards else ""))
+    return stats
+
+
+# -- key, plan, creation -------------------------------------------------------------------------------
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{id(out)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DflashError(f"--out {out}: cannot write there ({e.strerror})") from None
+    entries = {p.name for p in out.iterdir()}
+    if entries and cachelib.read_manifest(out) is None and "zarr.json" not in entries:
+        raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache")
+
+
+def _load_config_and_tokenizer(path: Path, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DflashError(f"--target {path}: cannot load config/tokenizer ({str(e).splitlines()[0]})") from None
+    return config, tokenizer
+
+
+def _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype) -> dict:
+    tok_hash, template_hash = tokenizer_hash(tokenizer)
+    files = file_fingerprints(cfg.data)
+    return {
+        "format_version": cachelib.FORMAT_VERSION,
+        "target_config_hash": config_hash(config),
+        "target_weights": weights_fingerprint(target_path),
+        "tokenizer_hash": tok_hash,
+        "chat_template_hash": template_hash,
+        "data_sha256": [f["sha256"] for f in files],
+        "limit": cfg.limit,
+        "layer_ids": layer_ids,
+        "token_budget": cfg.token_budget,
+        "max_docs": cfg.max_docs,
+        "max_len": cfg.resolved_max_len(),
+        "compute_dtype": _DTYPE_NAMES[dtype],
+        "storage_dtype": "bfloat16",
+        "packer": PACKER,
+        "_files": files,  # not a key field: carried into the manifest
+    }
+
+
+def _plan(cfg: ExtractConfig, tokenizer, fields: dict, log):
+    """Tokenize every row and pack the documents into shards: the plan is fixed before any forward."""
+    per_file: dict[str, int] = {}
+    rows = list(read_rows(cfg.data, cfg.limit, per_file))
+    if not rows:
+        raise DflashError(f"--data {', '.join(cfg.data)}: no rows (empty dataset)")
+    tok = Tokenizer(tokenizer, cfg.resolved_max_len())
+    docs, dropped = {}, []
+    for item in tqdm(tok(rows), total=len(rows), desc="tokenize", unit="row", disable=not _tty(), leave=False):
+        if isinstance(item, Dropped):
+            dropped.append(item)
+        else:
+            docs[item.row_id] = item
+    if not docs:
+        reasons = sorted({DROP_REASONS[x.reason] for x in dropped})
+        raise DflashError(f"--data: all {len(rows)} rows were dropped ({', '.join(reasons)}); nothing to extract")
+    row_ids = np.fromiter(docs, np.int64, len(docs))
+    lengths = np.array([len(docs[r].input_ids) for r in row_ids], np.int64)
+    plan = plan_shards(row_ids, lengths, cfg.token_budget, cfg.max_docs)
+    truncated = np.array(sorted(r for r, doc in docs.items() if doc.truncated), np.int64)
+    files, first = [], 0
+    for f in fields["_files"]:
+        n = per_file.get(f["path"], 0)
+        files.append(dict(f, rows=n, first_row=first))
+        first += n
+    extra = {
+        "num_shards": plan.num_shards,
+        "data_files": files,
+        "stats": {
+            "rows": len(rows), "docs": len(docs), "tokens": int(lengths.sum()),
+            "loss_tokens": int(sum(int(doc.loss_mask.sum()) for doc in docs.values())),
+            "truncated": len(truncated),
+            "dropped": {DROP_REASONS[i]: int(n) for i, n in
+                        zip(*np.unique([x.reason for x in dropped], return_counts=True))} if dropped else {},
+        },
+    }
+    if truncated.size:
+        log(f"{len(truncated)} of {len(rows)} rows were longer than {cfg.resolved_max_len()} tokens and are truncated")
+    if dropped:
+        log(f"{len(dropped)} rows dropped: {extra['stats']['dropped']}")
+    plan_arrays = (plan, np.array([x.row_id for x in dropped], np.int64),
+                   np.array([x.reason for x in dropped], np.uint8), truncated)
+    return docs, extra, plan_arrays
+
+
+def _create(out: Path, fields: dict, extra: dict, plan_arrays, model, tconf, tokenizer, compressor: str) -> None:
+    key_fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    vocab = model.get_input_embeddings().weight.shape[0]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    manifest = {
+        **key_fields,
+        "cache_key": cachelib.cache_key(key_fields),
+        "dflash_version": dflash.__version__,
+        "target": {"name": str(tconf._name_or_path or ""), "path": str(model.name_or_path),
+                   "model_type": tconf.model_type, "num_layers": tconf.num_hidden_layers,
+                   "architectures": getattr(model.config, "architectures", None)},
+        "hidden_size": tconf.hidden_size,
+        "vocab_size": vocab,
+        "pad_id": int(pad_id),
+        "drop_reasons": list(DROP_REASONS),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+    weights = {"embed_tokens.weight": model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16),
+               "lm_head.weight": model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16)}
+    cachelib.create_cache(out, manifest, *plan_arrays, weights=weights, target_config=model.config.to_dict(),
+                          compressor=compressor)
+
+
+def _load_model(path, device, dtype, cfg):
+    model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation)
+    return model
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+# -- scheduling -----------------------------------------------------------------------------------------
+
+
+def _my_windows(num_shards: int, committed: set[int], window: int, d: Dist) -> list[list[int]]:
+    """This rank's windows that still have an uncommitted shard."""
+    starts = range(0, num_shards, window)
+    mine = [list(range(k, min(k + window, num_shards))) for i, k in enumerate(starts) if i % d.world == d.rank]
+    return [w for w in mine if any(s not in committed for s in w)]
+
+
+def _docs_for(cfg, tokenizer, cache, windows, docs: dict[int, Doc]) -> dict[int, Doc]:
+    """The documents of the given windows (tokenized again on resume / on other ranks), checked
+    against the stored plan: a changed tokenizer or file must never write a shard silently wrong."""
+    row_ids, doc_lens = cache.plan()
+    shards = [s for w in windows for s in w]
+    need = {int(r): int(n) for s in shards for r, n in zip(row_ids[s], doc_lens[s]) if r >= 0}
+    missing = [r for r in need if r not in docs]
+    if missing:
+        wanted = set(missing)
+        rows = [row for row in read_rows(cfg.data, cfg.limit) if row.row_id in wanted]
+        for item in Tokenizer(tokenizer, cfg.resolved_max_len())(rows):
+            if isinstance(item, Doc):
+                docs[item.row_id] = item
+    for r, n in need.items():
+        if r not in docs or len(docs[r].input_ids) != n:
+            raise DflashError(f"row {r}: its tokens no longer match the cache's plan (data or tokenizer changed?); "
+                              f"use another --out")
+    return docs
+
+
+def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Group documents, longest first, into forwards of <= batch_size rows and <= batch_tokens padded
+    tokens. Sorting by length keeps padding small."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) == batch_size or (len(cur) + 1) * lengths[cur[0]] > batch_tokens):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# -- the extraction loop --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One ring entry: the device buffers a window is computed into, and their host copies."""
+
+    hidden: torch.Tensor  # [L, W, T, H] bf16 on the device
+    target_ids: torch.Tensor  # [W, T] int32 on the device
+    host_hidden: torch.Tensor  # same, in pinned host memory; the device tensors themselves on CPU
+    host_target_ids: torch.Tensor
+    events: tuple | None = None  # CUDA (compute start, compute end, copy done)
+
+
+def _make_slot(L, W, T, H, device) -> _Slot:
+    hidden = torch.zeros(L, W, T, H, dtype=torch.bfloat16, device=device)
+    target_ids = torch.zeros(W, T, dtype=torch.int32, device=device)
+    if device.type == "cpu":
+        return _Slot(hidden, target_ids, hidden, target_ids)
+    return _Slot(hidden, target_ids, torch.empty_like(hidden, device="cpu").pin_memory(),
+                 torch.empty_like(target_ids, device="cpu").pin_memory(),
+                 tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)))
+
+
+class _Writer(threading.Thread):
+    """Writes finished windows while the main thread computes the next one."""
+
+    def __init__(self, cache: cachelib.Cache, committed: set[int], free: queue.Queue, on_commit):
+        super().__init__(daemon=True, name="dflash-writer")
+        self.cache, self.committed, self.free, self.on_commit = cache, committed, free, on_commit
+        self.jobs: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.write_s = self.gpu_compute_s = self.copy_wait_s = 0.0
+
+    def run(self):
+        while (job := self.jobs.get()) is not None:
+            slot, shards, input_ids, loss_mask = job
+            try:
+                if self.error is None:
+                    self._write(slot, shards, input_ids, loss_mask)
+            except BaseException as e:  # surfaced to the main thread by check()
+                self.error = e
+            finally:
+                self.free.put(slot)
+
+    def _write(self, slot: _Slot, shards, input_ids, loss_mask):
+        t0 = time.perf_counter()
+        if slot.events is not None:
+            start, end, copied = slot.events
+            copied.synchronize()  # host sync: the window's D2H copy has landed
+            self.gpu_compute_s += start.elapsed_time(end) / 1e3
+        t1 = time.perf_counter()
+        hidden = slot.host_hidden.view(torch.int16).numpy().view(np.uint16)  # bf16 bits, [L, W, T, H]
+        target_ids = slot.host_target_ids.numpy()
+        for w, s in enumerate(shards):
+            if s in self.committed:
+                continue  # committed before a crash: the window was recomputed, the shard is not rewritten
+            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w])
+            self.on_commit(s)
+        self.copy_wait_s += t1 - t0
+        self.write_s += time.perf_counter() - t1
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+
+def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target: Target, windows, docs, device,
+         d: Dist, log) -> dict:
+    m = cache.manifest
+    T, L, H, W = m["token_budget"], len(m["layer_ids"]), m["hidden_size"], cfg.window
+    pad = m["pad_id"]
+    row_ids, doc_lens = cache.plan()
+    todo = [s for w in windows for s in w if s not in committed]
+    bar = tqdm(total=int(doc_lens[todo].sum()), unit="tok", unit_scale=True, desc=f"extract {Path(cfg.out).name}",
+               disable=not d.is_main, dynamic_ncols=True, smoothing=0.1)
+    done = {"shards": 0, "rows": 0}
+
+    def on_commit(s):  # writer thread
+        done["shards"] += 1
+        done["rows"] += int((row_ids[s] >= 0).sum())
+        bar.update(int(doc_lens[s].sum()))
+        bar.set_postfix_str(f"shards {done['shards']}/{len(todo)} rows {done['rows']}", refresh=False)
+
+    free: queue.Queue = queue.Queue()
+    for _ in range(2):  # two slots: window k+1 computes while window k is copied and written
+        free.put(_make_slot(L, W, T, H, device))
+    writer = _Writer(cache, committed, free, on_commit)
+    writer.start()
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    t_start, wait_free_s, tokens, padded = time.perf_counter(), 0.0, 0, 0
+    try:
+        for shards in windows:
+            t0 = time.perf_counter()
+            slot = free.get()  # blocks while both slots wait for the writer: the disk is the bottleneck
+            wait_free_s += time.perf_counter() - t0
+            writer.check()
+            if slot.events is not None:
+                slot.events[0].record()
+            input_ids, loss_mask, n_real, n_padded = _compute_window(target, slot, shards, row_ids, doc_lens, docs,
+                                                                     T, pad, cfg, device)
+            tokens, padded = tokens + n_real, padded + n_padded
+            if copy_stream is not None:
+                slot.events[1].record()
+                copy_stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(copy_stream):
+                    slot.host_hidden.copy_(slot.hidden, non_blocking=True)
+                    slot.host_target_ids.copy_(slot.target_ids, non_blocking=True)
+                    slot.events[2].record(copy_stream)
+            writer.jobs.put((slot, shards, input_ids, loss_mask))
+    finally:
+        writer.jobs.put(None)
+        writer.join()
+        bar.close()
+    writer.check()
+    elapsed = time.perf_counter() - t_start
+    stats = {"shards_written": done["shards"], "tokens": tokens, "padded_tokens": padded, "seconds": elapsed,
+             "tokens_per_s": tokens / elapsed if elapsed else 0.0, "wait_for_writer_s": wait_free_s,
+             "write_s": writer.write_s, "gpu_compute_s": writer.gpu_compute_s, "complete": False}
+    log(f"wrote {done['shards']} shards, {tokens:,} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:,.0f} tok/s"
+        + (f" on rank 0 of {d.world}" if d.world > 1 else "") + f"; padding {padded / max(tokens, 1) - 1:.1%}; "
+        f"waited {wait_free_s:.1f}s for the writer)")
+    return stats
+
+
+def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs, T, pad, cfg, device):
+    """Run every document of the window's shards through the target and place its states in the slot.
+    Returns the window's host input_ids / loss_mask [W, T], its real and its padded token counts."""
+    W = len(shards)
+    input_ids = np.full((cfg.window, T), pad, np.int32)
+    loss_mask = np.zeros((cfg.window, T), np.uint8)
+    placed = []  # (doc, flat destination offset in the [W*T] window)
+    for w, s in enumerate(shards):
+        offset = 0
+        for r, n in zip(row_ids[s], doc_lens[s]):
+            if r < 0:
+                continue
+            doc = docs[int(r)]
+            input_ids[w, offset : offset + n] = doc.input_ids
+            loss_mask[w, offset : offset + n] = doc.loss_mask
+            placed.append((doc, w * T + offset))
+            offset += n
+        slot.hidden[:, w, offset:].zero_()  # pad positions hold zeros (the slot is reused)
+        slot.target_ids[w, offset:] = pad
+    hidden_flat = slot.hidden.view(slot.hidden.shape[0], -1, slot.hidden.shape[-1])  # [L, W*T, H]
+    target_flat = slot.target_ids.view(-1)
+    lengths = [len(doc.input_ids) for doc, _ in placed]
+    padded = 0
+    for batch in make_batches(lengths, cfg.batch_size, cfg.batch_tokens):
+        width = lengths[batch[0]]
+        padded += width * len(batch)
+        ids = np.full((len(batch), width), pad, np.int64)  # right-padded rows
+        src, dst = [], []
+        for b, i in enumerate(batch):
+            doc, offset = placed[i]
+            n = lengths[i]
+            ids[b, :n] = doc.input_ids
+            src.append(np.arange(b * width, b * width + n))
+            dst.append(np.arange(offset, offset + n))
+        src_t = torch.from_numpy(np.concatenate(src)).to(device, non_blocking=True)  # [n_real]
+        dst_t = torch.from_numpy(np.concatenate(dst)).to(device, non_blocking=True)
+        hidden, last = target.forward(torch.from_numpy(ids).to(device, non_blocking=True))
+        for layer, h in enumerate(hidden):  # h: [b, width, H]
+            hidden_flat[layer].index_copy_(0, dst_t, h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16))
+        greedy = target.greedy(last.reshape(-1, last.shape[-1]).index_select(0, src_t))
+        target_flat.index_copy_(0, dst_t, greedy.to(torch.int32))
+    return input_ids[:W], loss_mask[:W], sum(lengths), padded

@@ -1,0 +1,205 @@
+"""Target capture: load a frozen Hugging Face causal LM and run it, keeping only the chosen layers.
+
+Layer id i is the output of decoder layer i, i.e. `output_hidden_states[i + 1]` of a Hugging Face
+model; forward hooks on just those layers capture them, so the other layers' states are never kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dflash.errors import DflashError
+
+# Keys of a HF config that do not change what the model computes.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset",
+                         "_attn_implementation", "attn_implementation", "use_cache"}
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DESIGN.md's default (the reference's `build_target_layer_ids`, Python rounding):
+    round(1 + k(N-4)/(n-1)) for k = 0..n-1, and [N//2] for n = 1."""
+    n, N = num_draft_layers, num_target_layers
+    if n == 1:
+        return [N // 2]
+    ids = [round(1 + k * (N - 4) / (n - 1)) for k in range(n)]
+    if len(set(ids)) < n or ids[-1] >= N:
+        raise DflashError(f"--draft-layers {n}: a {N}-layer target has too few layers for the default ids; pass --layers")
+    return ids
+
+
+def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    if not layer_ids:
+        raise DflashError("--layers is empty")
+    for i in layer_ids:
+        if not 0 <= i < num_target_layers:
+            raise DflashError(f"--layers: layer id {i} is beyond the target's depth "
+                              f"({num_target_layers} decoder layers: ids 0..{num_target_layers - 1})")
+    if len(set(layer_ids)) != len(layer_ids) or sorted(layer_ids) != list(layer_ids):
+        raise DflashError(f"--layers must be increasing and distinct, got {layer_ids}")
+    return list(layer_ids)
+
+
+def resolve_target(name: str, trust_remote_code: bool = False) -> Path:
+    """The local folder of a target: the path itself, or its snapshot in the Hugging Face cache."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DflashError(f"--target {name}: folder has no config.json (not a Hugging Face model)")
+        return path.resolve()
+    if path.exists() or name.startswith((".", "/")):
+        raise DflashError(f"--target {name}: not a model folder")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"] + (["*.py"] if trust_remote_code else [])
+    for local_only in (True, False):
+        try:
+            return Path(snapshot_download(name, local_files_only=local_only, allow_patterns=patterns))
+        except Exception as e:  # offline, unknown repo, gated repo
+            error = e
+    raise DflashError(f"--target {name}: not a local folder, and not found in the Hugging Face cache or hub "
+                      f"({type(error).__name__})")
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def config_hash(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(folder: Path, samples: int = 16, block: int = 1 << 20) -> str:
+    """A cheap fingerprint of the weight files: names, sizes, safetensors headers and 16 sampled 1 MiB
+    blocks per file. Hashing every byte of a 16 GB target would take longer than a small extraction."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    if not files:
+        raise DflashError(f"--target {folder}: no weight files (*.safetensors / *.bin)")
+    h = hashlib.sha256()
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with p.open("rb") as f:
+            if p.suffix == ".safetensors":
+                header_len = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(header_len, 1 << 26)))
+            for k in range(samples):
+                f.seek(max(0, (size - block) * k // max(samples - 1, 1)))
+                h.update(f.read(block))
+    return h.hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> tuple[str, str]:
+    """(hash of the vocabulary, merges, normalisation and special tokens; hash of the chat template)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True)
+    tok = hashlib.sha256((vocab + special).encode()).hexdigest()[:16]
+    template = tokenizer.chat_template or ""
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return tok, hashlib.sha256(template.encode()).hexdigest()[:16]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DflashError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def linear_attention_backend() -> str:
+    """Which kernels Hugging Face's GatedDeltaNet layers use here: 'fla' when flash-linear-attention's
+    ops import (they need Triton and a GPU build of torch), else transformers' torch fallback."""
+    if importlib.util.find_spec("fla") is None:
+        return "torch"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception:
+        return "torch"
+    return "fla"
+
+
+class Target:
+    """A frozen causal LM with forward hooks on the captured layers."""
+
+    def __init__(self, model, layer_ids: list[int], greedy_chunk: int = 4096):
+        self.model = model
+        self.config = text_config(model.config)
+        self.num_layers = self.config.num_hidden_layers
+        self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
+        self.backbone = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.greedy_chunk = greedy_chunk
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = decoder_layers(model, self.num_layers)
+        for i in self.layer_ids:
+            if i < self.num_layers - 1:  # the last layer: HF's hidden_states[N] is after the final norm
+                layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Captured layers ([b, n, H] each, in `layer_ids` order) and the final normed hidden [b, n, H].
+
+        Rows are right-padded and no attention mask is passed: in a causal LM a token never sees the
+        positions after it, so each document's states are exactly those it gets alone, and SDPA keeps
+        its fast causal kernel."""
+        self._captured.clear()
+        last = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+        self._captured[self.num_layers - 1] = last
+        hidden = [self._captured[i] for i in self.layer_ids]
+        self._captured.clear()
+        return hidden, last
+
+    @torch.inference_mode()
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's greedy next token for final hidden states [n, H] -> [n], without ever holding
+        more than `greedy_chunk` rows of logits."""
+        out = torch.empty(h.shape[0], dtype=torch.int64, device=h.device)
+        for i in range(0, h.shape[0], self.greedy_chunk):
+            out[i : i + self.greedy_chunk] = self.head(h[i : i + self.greedy_chunk]).argmax(-1)
+        return out
+
+
+def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for module in model.modules():  # other layouts: the one ModuleList as long as the model is deep
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise DflashError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+                attn_implementation: str | None = None):
+    """(model, tokenizer): the model frozen in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        raise DflashError(f"--target {path}: cannot load ({str(e).splitlines()[0]})") from None
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
