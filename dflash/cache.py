@@ -32,6 +32,9 @@ TARGET_CONFIG_FILE = "target_config.json"
 # Arrays extract writes per shard; `doc_lens` and `row_ids` are the plan, written before any forward.
 SHARD_ARRAYS = ("input_ids", "loss_mask", "target_ids")
 PLAN_ARRAYS = ("doc_lens", "row_ids")
+LIST_ARRAYS = ("dropped_row_ids", "dropped_reasons", "truncated_row_ids")
+# Everything a cache folder may hold: an interrupted creation leaves a subset of these.
+CACHE_ENTRIES = {"zarr.json", "hidden", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS, WEIGHTS_FILE, TARGET_CONFIG_FILE}
 # Manifest fields hashed into the cache key: everything that changes what the cache holds.
 KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokenizer_hash", "chat_template_hash",
               "data_sha256", "limit", "layer_ids", "token_budget", "max_docs", "max_len", "compute_dtype",
@@ -242,20 +245,20 @@ def disk_bytes(path: Path) -> int:
 
 
 def info(path: str | Path) -> dict:
+    """Manifest and progress, from the manifest and the commit records alone (no array reads)."""
     cache = Cache(path)
     m = cache.manifest
-    committed = cache.committed()
-    row_ids, doc_lens = cache.plan()
+    records = [cache.commit_record(s) for s in cache.committed()]
     S, T = m["num_shards"], m["token_budget"]
-    done_tokens = int(doc_lens[committed].sum()) if committed else 0
+    done_tokens = sum(r["tokens"] for r in records)
     size = disk_bytes(cache.path)
     return {
         "path": str(cache.path),
         "cache_key": m["cache_key"],
-        "complete": len(committed) == S,
-        "shards": {"committed": len(committed), "total": S},
+        "complete": len(records) == S,
+        "shards": {"committed": len(records), "total": S},
         "rows": {"total": m["stats"]["rows"], "planned": m["stats"]["docs"],
-                 "in_committed_shards": int((row_ids[committed] >= 0).sum()) if committed else 0,
+                 "in_committed_shards": sum(r["docs"] for r in records),
                  "truncated": m["stats"]["truncated"], "dropped": m["stats"]["dropped"]},
         "tokens": {"planned": m["stats"]["tokens"], "committed": done_tokens, "loss": m["stats"]["loss_tokens"]},
         "fill_ratio": m["stats"]["tokens"] / (S * T),

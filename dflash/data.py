@@ -165,21 +165,27 @@ class Tokenizer:
             text = self.tok.apply_chat_template(row.record["messages"], tokenize=False)
         except Exception as e:  # jinja errors: bad roles, template-specific checks
             raise DflashError(f"{row.where}: the chat template refused this conversation ({e})") from None
+        messages = row.record["messages"]
         spans, cursor = [], 0
-        for m in row.record["messages"]:
-            if m["role"] != "assistant" or not m["content"].strip():
+        for i, m in enumerate(messages):
+            content = m["content"].strip()
+            if not content:
                 continue
-            content = m["content"]
+            if m["role"] == "assistant":
+                # Start looking where the template's own generation prompt ends, so a reply that
+                # repeats a role name ("user") is not found in a turn header.
+                prompt = self.tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                if text.startswith(prompt):
+                    cursor = max(cursor, len(prompt))
             start = text.find(content, cursor)
-            if start < 0:  # templates may strip the content
-                content = content.strip()
-                start = text.find(content, cursor)
             if start < 0:
-                continue
+                continue  # the template rewrote this message; an assistant turn then gets no loss
             end = start + len(content)
-            if self.eos and text.startswith(self.eos, end):  # train on the end of the turn too
-                end += len(self.eos)
-            spans.append((start, end))
+            if m["role"] == "assistant":
+                after = end + len(text[end:]) - len(text[end:].lstrip(" \t\n"))
+                if self.eos and text.startswith(self.eos, after):  # train on the end of the turn too
+                    end = after + len(self.eos)
+                spans.append((start, end))
             cursor = end
         return text, spans
 

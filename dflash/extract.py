@@ -105,9 +105,9 @@ def _check_writable(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise DflashError(f"--out {out}: cannot write there ({e.strerror})") from None
-    entries = {p.name for p in out.iterdir()}
-    if entries and cachelib.read_manifest(out) is None and "zarr.json" not in entries:
-        raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache")
+    foreign = {p.name for p in out.iterdir()} - cachelib.CACHE_ENTRIES
+    if foreign and cachelib.read_manifest(out) is None:
+        raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache (holds {sorted(foreign)[0]!r})")
 
 
 def _load_config_and_tokenizer(path: Path, trust_remote_code: bool):

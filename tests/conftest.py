@@ -1,0 +1,81 @@
+"""Shared fixtures: the embedded tiny target, small slices of the sample data, CLI runners."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_TARGET = REPO / "data" / "tiny-target"
+SAMPLE_TEXT = REPO / "data" / "sample" / "text.jsonl"
+SAMPLE_CHAT = REPO / "data" / "sample" / "chat.jsonl"
+CACHE_ARRAYS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens", "row_ids")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def sample_rows(n_text: int, n_chat: int) -> list[dict]:
+    text = [json.loads(line) for line in SAMPLE_TEXT.read_text().splitlines()[:n_text]]
+    chat = [json.loads(line) for line in SAMPLE_CHAT.read_text().splitlines()[:n_chat]]
+    return text + chat
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> Path:
+    """60 rows: 30 text, 30 chat (some multi-turn, some with a system message)."""
+    return write_jsonl(tmp_path_factory.mktemp("data") / "small.jsonl", sample_rows(30, 30))
+
+
+def extract_args(data: Path, out: Path, **options) -> list[str]:
+    """CLI arguments for a small, fast extraction on the tiny target."""
+    opts = {"target": str(TINY_TARGET), "token-budget": 512, "max-docs": 8, "draft-layers": 3, "window": 2,
+            "batch-size": 8, "batch-tokens": 2048, "device": "cpu", **{k.replace("_", "-"): v for k, v in options.items()}}
+    args = ["extract", "--data", str(data), "--out", str(out)]
+    for k, v in opts.items():
+        args += [f"--{k}", str(v)]
+    return args
+
+
+def run_cli(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m dflash ARGS` in a subprocess (the real CLI, exit codes and all)."""
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True, env=full_env,
+                          cwd=REPO, **kwargs)
+
+
+def run_in_process(args: list[str]):
+    """The CLI in this process (faster than a subprocess): click's result with exit code and output."""
+    from click.testing import CliRunner
+
+    from dflash_cli.main import main
+
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    group = zarr.open_group(path, mode="r")
+    return {name: group[name][:] for name in CACHE_ARRAYS}
+
+
+def committed(path: Path) -> list[int]:
+    return sorted(int(p.stem) for p in (path / "commits").glob("*.json"))
