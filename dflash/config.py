@@ -45,6 +45,8 @@ class ExtractConfig:
     window: int = 4
     """Shards planned into one group of forwards; a window is the unit a rank takes and, after a
     crash, recomputes. Batches never span windows, so a resumed run computes identical batches."""
+    write_threads: int = 8
+    """Threads writing chunks in parallel (each chunk is one file)."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
     dtype: str = "auto"
@@ -68,7 +70,7 @@ class ExtractConfig:
             raise DflashError("no data: pass --data or set `data` in the preset")
         if not self.out:
             raise DflashError("no output folder: pass --out")
-        for name in ("token_budget", "max_docs", "batch_size", "batch_tokens", "window", "draft_layers"):
+        for name in ("token_budget", "max_docs", "batch_size", "batch_tokens", "window", "draft_layers", "write_threads"):
             if getattr(self, name) < 1:
                 raise DflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 2 <= self.resolved_max_len() <= self.token_budget:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -295,14 +296,19 @@ def _make_slot(L, W, T, H, device) -> _Slot:
 class _Writer(threading.Thread):
     """Writes finished windows while the main thread computes the next one."""
 
-    def __init__(self, cache: cachelib.Cache, committed: set[int], free: queue.Queue, on_commit):
+    def __init__(self, cache: cachelib.Cache, committed: set[int], free: queue.Queue, on_commit, write_threads: int):
         super().__init__(daemon=True, name="dflash-writer")
         self.cache, self.committed, self.free, self.on_commit = cache, committed, free, on_commit
+        self.pool = ThreadPoolExecutor(write_threads, thread_name_prefix="dflash-write")
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.write_s = self.gpu_compute_s = self.copy_wait_s = 0.0
 
     def run(self):
+        with self.pool:
+            self._loop()
+
+    def _loop(self):
         while (job := self.jobs.get()) is not None:
             slot, shards, input_ids, loss_mask = job
             try:
@@ -325,7 +331,7 @@ class _Writer(threading.Thread):
         for w, s in enumerate(shards):
             if s in self.committed:
                 continue  # committed before a crash: the window was recomputed, the shard is not rewritten
-            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w])
+            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool)
             self.on_commit(s)
         self.copy_wait_s += t1 - t0
         self.write_s += time.perf_counter() - t1
@@ -355,7 +361,7 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
     free: queue.Queue = queue.Queue()
     for _ in range(2):  # two slots: window k+1 computes while window k is copied and written
         free.put(_make_slot(L, W, T, H, device))
-    writer = _Writer(cache, committed, free, on_commit)
+    writer = _Writer(cache, committed, free, on_commit, cfg.write_threads)
     writer.start()
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     t_start, wait_free_s, tokens, padded = time.perf_counter(), 0.0, 0, 0

@@ -1,0 +1,144 @@
+"""Stage one across processes: SIGKILL and resume, torchrun ranks, a GatedDeltaNet target, `python -m`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import (REPO, TINY_TARGET, committed, extract_args, read_arrays, run_cli, run_in_process, sample_rows,
+                      write_jsonl)
+from dflash.cache import read_manifest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def crash_data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("crash") / "d.jsonl", sample_rows(80, 80))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, crash_data):
+    out = tmp_path_factory.mktemp("ref") / "c"
+    result = run_cli(extract_args(crash_data, out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def _start(args):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when(proc, condition, timeout=120.0, extra_delay=0.0):
+    """SIGKILL `proc` once `condition()` holds (plus a delay); False if it finished first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            return False
+        if condition():
+            time.sleep(extra_delay)
+            if proc.poll() is not None:
+                return False
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.005)
+    raise TimeoutError
+
+
+def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, crash_data, reference):
+    """Kill during planning/creation, right after a commit (mid-write of the next window), and at random
+    moments; every restart resumes; the finished cache equals an uninterrupted run bit for bit."""
+    out = tmp_path / "c"
+    args = extract_args(crash_data, out)
+    rng = np.random.default_rng(0)
+    total = read_manifest(reference)["num_shards"]
+    kills = 0
+    moments = [
+        lambda: (out / "zarr.json").exists(),  # creation in progress: no manifest yet, or just written
+        lambda: len(committed(out)) >= 1,  # the first commit: the writer is inside the next shards
+        lambda: len(committed(out)) >= total // 3,
+        lambda: len(committed(out)) >= total // 2,
+    ]
+    for condition in moments:
+        if _kill_when(_start(args), condition, extra_delay=float(rng.uniform(0, 0.3))):
+            kills += 1
+            assert read_manifest(out) is None or len(committed(out)) < total
+    final = run_cli(args)
+    assert final.returncode == 0, final.stderr
+    assert kills >= 3, "the run finished before it could be killed: make the test data larger"
+    assert len(committed(out)) == total
+    got, want = read_arrays(out), read_arrays(reference)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert read_manifest(out)["cache_key"] == read_manifest(reference)["cache_key"]
+    assert run_cli(["cache", "verify", str(out)]).returncode == 0
+
+
+def test_torchrun_two_ranks_write_one_cache_equal_to_one_process(tmp_path, crash_data, reference):
+    out = tmp_path / "c"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash", *extract_args(crash_data, out)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = read_arrays(out), read_arrays(reference)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    # each rank wrote its own windows: window k (2 shards) belongs to rank k % 2
+    assert "on rank 0 of 2" in result.stdout + result.stderr
+
+
+def test_python_m_dflash_is_the_cli():
+    result = run_cli(["--help"])
+    assert result.returncode == 0 and "extract" in result.stdout and "cache" in result.stdout
+
+
+def _tiny_qwen3_next(path):
+    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    config = Qwen3NextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_gated_deltanet_target_extracts_on_cpu(tmp_path):
+    """A tiny random Qwen3-Next (GatedDeltaNet + MoE) runs through transformers' torch path on CPU,
+    and each document's states equal a forward of that document alone."""
+    from transformers import AutoModelForCausalLM
+
+    target = _tiny_qwen3_next(tmp_path / "qwen3-next")
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(12, 12))
+    out = tmp_path / "c"
+    result = run_in_process(extract_args(data, out, target=target, layers="0,1,3"))
+    assert result.exit_code == 0, result.output
+    assert "linear-attention layers run on the torch path" in result.output
+    a = read_arrays(out)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    s, n = 0, int(a["doc_lens"][0, 0])
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(a["input_ids"][s, :n].astype(np.int64))[None], output_hidden_states=True)
+    for slot, layer in enumerate([0, 1, 3]):
+        cached = torch.from_numpy(a["hidden"][s, :n, slot].astype(np.int16)).view(torch.bfloat16).float()
+        expected = ref.hidden_states[layer + 1][0].to(torch.bfloat16).float()
+        assert ((cached - expected).norm() / expected.norm()).item() < 4e-3, layer
+    assert read_manifest(out)["target"]["model_type"] == "qwen3_next"
+    shutil.rmtree(out)
