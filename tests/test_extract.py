@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_TARGET, committed, extract_args, read_arrays, run_in_process,
-                      sample_rows, write_jsonl)
+from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_TARGET, bf16_bits_to_float, committed, extract_args, read_arrays,
+                      rel_err, run_in_process, sample_rows, write_jsonl)
 from dflash.cache import Cache, CorruptShardError, info, read_manifest, verify
 from dflash.data import DROP_REASONS
 
@@ -27,14 +27,6 @@ def cache_dir(tmp_path_factory, small_data):
 @pytest.fixture(scope="module")
 def model():
     return AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
-
-
-def bf16(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16).float()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_arrays_and_manifest_follow_the_contract(cache_dir):
@@ -86,7 +78,7 @@ def test_states_are_those_of_each_document_alone(cache_dir, model):
             with torch.no_grad():
                 ref = model(input_ids=ids, output_hidden_states=True)
             for slot, layer in enumerate([1, 2, 3]):
-                cached = bf16(a["hidden"][s, offset:offset + n, slot])
+                cached = bf16_bits_to_float(a["hidden"][s, offset:offset + n, slot])
                 expected = ref.hidden_states[layer + 1][0].to(torch.bfloat16).float()
                 assert rel_err(cached, expected) < 4e-3, (s, r, layer)
             agree = (a["target_ids"][s, offset:offset + n] == ref.logits[0].argmax(-1).numpy()).mean()

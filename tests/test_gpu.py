@@ -1,0 +1,67 @@
+"""GPU checks (run on the H200; skipped on a machine without CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (REPO, bf16_bits_to_float, extract_args, read_arrays, rel_err, run_in_process, sample_rows,
+                      tiny_qwen3_next, write_jsonl)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cpu_cache(tmp_path_factory, small_data):
+    out = tmp_path_factory.mktemp("cpu") / "c"
+    assert run_in_process(extract_args(small_data, out)).exit_code == 0
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol,agree", [("fp32", 4e-3, 0.99), ("bf16", 6e-2, 0.8)])
+def test_gpu_extraction_matches_cpu(tmp_path, small_data, cpu_cache, dtype, tol, agree):
+    out = tmp_path / "gpu"
+    result = run_in_process(extract_args(small_data, out, device="cuda", dtype=dtype))
+    assert result.exit_code == 0, result.output
+    gpu, cpu = read_arrays(out), read_arrays(cpu_cache)
+    for name in ("input_ids", "loss_mask", "doc_lens", "row_ids"):
+        assert np.array_equal(gpu[name], cpu[name]), name  # same plan, same tokens
+    used = cpu["input_ids"] != 0
+    assert rel_err(bf16_bits_to_float(gpu["hidden"]), bf16_bits_to_float(cpu["hidden"])) < tol
+    assert (gpu["target_ids"][used] == cpu["target_ids"][used]).mean() > agree
+
+
+def test_gated_deltanet_fla_path_agrees_with_the_torch_path(tmp_path):
+    """With flash-linear-attention installed, a Qwen3-Next target runs its GatedDeltaNet layers through
+    fla on the GPU; the states agree with transformers' torch path (a process without fla, CPU, fp32)."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.fail("flash-linear-attention is not installed: this check needs it (see bench/README.md)")
+    import fla
+
+    target = tiny_qwen3_next(tmp_path / "qwen3-next")
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(20, 20))
+    gpu_out = tmp_path / "gpu"
+    result = run_in_process(extract_args(data, gpu_out, target=target, layers="0,1,3", device="cuda"))
+    assert result.exit_code == 0, result.output
+    assert "linear-attention layers run on the fla path" in result.output
+    # the torch path: a subprocess whose PYTHONPATH leaves out the folder fla lives in
+    fla_root = str(Path(fla.__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(fla_root)]
+    cpu_out = tmp_path / "cpu"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [str(REPO)]), "TOKENIZERS_PARALLELISM": "false"}
+    check = subprocess.run([sys.executable, "-c", "import fla"], env=env, capture_output=True)
+    assert check.returncode != 0, f"fla must live in its own folder on PYTHONPATH (found in {fla_root})"
+    ref = subprocess.run([sys.executable, "-m", "dflash", *extract_args(data, cpu_out, target=target, layers="0,1,3")],
+                         env=env, capture_output=True, text=True, cwd=REPO)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert "run on the torch path" in ref.stdout + ref.stderr
+    g, c = read_arrays(gpu_out), read_arrays(cpu_out)
+    assert np.array_equal(g["input_ids"], c["input_ids"])
+    for slot in range(3):
+        assert rel_err(bf16_bits_to_float(g["hidden"][:, :, slot]), bf16_bits_to_float(c["hidden"][:, :, slot])) < 3e-2
