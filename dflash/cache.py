@@ -231,7 +231,7 @@ class Cache:
         codecs = arr.metadata.codecs
         return (isinstance(arr.store, zarr.storage.LocalStore) and len(codecs) == 2
                 and isinstance(codecs[0], zarr.codecs.BytesCodec)
-                and (codecs[0].endian is None or codecs[0].endian.value == "little")  # None: 1-byte values
+                and getattr(codecs[0].endian, "value", codecs[0].endian) in (None, "little")  # None: 1-byte values
                 and isinstance(codecs[1], zarr.codecs.Crc32cCodec) and np.little_endian)
 
     # -- reading ------------------------------------------------------------------------------------
