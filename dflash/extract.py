@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -280,7 +280,8 @@ class _Slot:
     target_ids: torch.Tensor  # [W, T] int32 on the device
     host_hidden: torch.Tensor  # same, in pinned host memory; the device tensors themselves on CPU
     host_target_ids: torch.Tensor
-    events: tuple | None = None  # CUDA (compute start, compute end, copy done)
+    copied: torch.cuda.Event | None = None  # CUDA: the window's device-to-host copy is done
+    batches: list = field(default_factory=list)  # CUDA: (start, end) events around each forward
 
 
 def _make_slot(L, W, T, H, device) -> _Slot:
@@ -289,8 +290,7 @@ def _make_slot(L, W, T, H, device) -> _Slot:
     if device.type == "cpu":
         return _Slot(hidden, target_ids, hidden, target_ids)
     return _Slot(hidden, target_ids, torch.empty_like(hidden, device="cpu").pin_memory(),
-                 torch.empty_like(target_ids, device="cpu").pin_memory(),
-                 tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)))
+                 torch.empty_like(target_ids, device="cpu").pin_memory(), torch.cuda.Event())
 
 
 class _Writer(threading.Thread):
@@ -302,7 +302,7 @@ class _Writer(threading.Thread):
         self.pool = ThreadPoolExecutor(write_threads, thread_name_prefix="dflash-write")
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        self.write_s = self.gpu_compute_s = self.copy_wait_s = 0.0
+        self.write_s = self.gpu_forward_s = self.copy_wait_s = 0.0
 
     def run(self):
         with self.pool:
@@ -321,10 +321,10 @@ class _Writer(threading.Thread):
 
     def _write(self, slot: _Slot, shards, input_ids, loss_mask):
         t0 = time.perf_counter()
-        if slot.events is not None:
-            start, end, copied = slot.events
-            copied.synchronize()  # host sync: the window's D2H copy has landed
-            self.gpu_compute_s += start.elapsed_time(end) / 1e3
+        if slot.copied is not None:
+            slot.copied.synchronize()  # host sync: the window's D2H copy has landed
+            self.gpu_forward_s += sum(a.elapsed_time(b) for a, b in slot.batches) / 1e3
+            slot.batches.clear()
         t1 = time.perf_counter()
         hidden = slot.host_hidden.view(torch.int16).numpy().view(np.uint16)  # bf16 bits, [L, W, T, H]
         target_ids = slot.host_target_ids.numpy()
@@ -371,18 +371,15 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
             slot = free.get()  # blocks while both slots wait for the writer: the disk is the bottleneck
             wait_free_s += time.perf_counter() - t0
             writer.check()
-            if slot.events is not None:
-                slot.events[0].record()
             input_ids, loss_mask, n_real, n_padded = _compute_window(target, slot, shards, row_ids, doc_lens, docs,
                                                                      T, pad, cfg, device)
             tokens, padded = tokens + n_real, padded + n_padded
             if copy_stream is not None:
-                slot.events[1].record()
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(copy_stream):
                     slot.host_hidden.copy_(slot.hidden, non_blocking=True)
                     slot.host_target_ids.copy_(slot.target_ids, non_blocking=True)
-                    slot.events[2].record(copy_stream)
+                    slot.copied.record(copy_stream)
             writer.jobs.put((slot, shards, input_ids, loss_mask))
     finally:
         writer.jobs.put(None)
@@ -392,7 +389,7 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
     elapsed = time.perf_counter() - t_start
     stats = {"shards_written": done["shards"], "tokens": tokens, "padded_tokens": padded, "seconds": elapsed,
              "tokens_per_s": tokens / elapsed if elapsed else 0.0, "wait_for_writer_s": wait_free_s,
-             "write_s": writer.write_s, "gpu_compute_s": writer.gpu_compute_s, "complete": False}
+             "write_s": writer.write_s, "gpu_forward_s": writer.gpu_forward_s, "complete": False}
     log(f"wrote {done['shards']} shards, {tokens:,} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:,.0f} tok/s"
         + (f" on rank 0 of {d.world}" if d.world > 1 else "") + f"; padding {padded / max(tokens, 1) - 1:.1%}; "
         f"waited {wait_free_s:.1f}s for the writer)")
@@ -433,6 +430,9 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
             ids[b, :n] = doc.input_ids
             src.append(np.arange(b * width, b * width + n))
             dst.append(np.arange(offset, offset + n))
+        if device.type == "cuda":
+            slot.batches.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            slot.batches[-1][0].record()
         src_t = torch.from_numpy(np.concatenate(src)).to(device, non_blocking=True)  # [n_real]
         dst_t = torch.from_numpy(np.concatenate(dst)).to(device, non_blocking=True)
         hidden, last = target.forward(torch.from_numpy(ids).to(device, non_blocking=True))
@@ -440,4 +440,6 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
             hidden_flat[layer].index_copy_(0, dst_t, h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16))
         greedy = target.greedy(last.reshape(-1, last.shape[-1]).index_select(0, src_t))
         target_flat.index_copy_(0, dst_t, greedy.to(torch.int32))
+        if device.type == "cuda":
+            slot.batches[-1][1].record()
     return input_ids[:W], loss_mask[:W], sum(lengths), padded
