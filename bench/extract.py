@@ -226,8 +226,8 @@ def main():
     res["warmup_s"] = warm_up(cfg)
     res["disk"] = timed_extract(cfg)
     log("disk:", json.dumps(res["disk"]))
-    res["disk_4_threads"] = timed_extract(ExtractConfig(**{**cfg.__dict__, "write_threads": 4}))
-    log("disk, 4 write threads:", json.dumps(res["disk_4_threads"]))
+    res["disk_8_threads"] = timed_extract(ExtractConfig(**{**cfg.__dict__, "write_threads": 8}))
+    log("disk, 8 write threads:", json.dumps(res["disk_8_threads"]))
     res["forward_only"] = forward_only(cfg, work / "cache")
     log("forward only:", json.dumps(res["forward_only"]))
     shutil.rmtree(work / "cache")
@@ -266,7 +266,7 @@ def main():
 
     d, f = res["disk"], res["forward_only"]
     rows = [("forward only (same batches)", f"{f['tokens_per_s']:,.0f}", "")]
-    for name in ("disk", "disk_4_threads", "shm"):
+    for name in ("disk", "disk_8_threads", "shm"):
         if name in res:
             r = res[name]
             rows.append((f"extract -> {name}", f"{r['tokens_per_s']:,.0f}",

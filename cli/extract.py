@@ -29,7 +29,7 @@ def _int_list(ctx, param, value):
 @click.option("--batch-size", type=int, help="Most documents per target forward (default 16).")
 @click.option("--batch-tokens", type=int, help="Most padded tokens per target forward (default 32768).")
 @click.option("--window", type=int, help="Shards per scheduling window (default 4).")
-@click.option("--write-threads", type=int, help="Threads writing chunks in parallel (default 8).")
+@click.option("--write-threads", type=int, help="Threads writing chunks in parallel (default 4).")
 @click.option("--device", help="auto (default), cpu, cuda, cuda:N.")
 @click.option("--dtype", help="Target compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
 @click.option("--limit", type=int, help="Use only the first N rows.")

@@ -45,7 +45,7 @@ class ExtractConfig:
     window: int = 4
     """Shards planned into one group of forwards; a window is the unit a rank takes and, after a
     crash, recomputes. Batches never span windows, so a resumed run computes identical batches."""
-    write_threads: int = 8
+    write_threads: int = 4
     """Threads writing chunks in parallel (each chunk is one file)."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""

@@ -39,3 +39,5 @@ def test_make_batches_bounds_rows_and_padded_tokens():
     for b in batches:
         assert len(b) <= 3 and len(b) * max(lengths[i] for i in b) <= 1000
         assert lengths[b[0]] == max(lengths[i] for i in b)
+        assert len(b) in (1, 2), "row counts are powers of two"
+    assert [len(b) for b in make_batches([10] * 13, batch_size=16, batch_tokens=10_000)] == [8, 4, 1]
