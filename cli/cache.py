@@ -49,7 +49,8 @@ def info(path, as_json):
         f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), {i['tokens']['committed']:,} committed",
         f"fill ratio   {i['fill_ratio']:.1%}",
         f"on disk      {_size(i['bytes_on_disk'])}"
-        + (f"  ({_size(i['bytes_per_token'])} per token)" if i["bytes_per_token"] else ""),
+        + (f"  ({_size(i['bytes_per_token'])} per token; {_size(i['shard_bytes_per_token'])} without the "
+           f"target's embeddings and head)" if i["bytes_per_token"] else ""),
         f"storage      {m['storage_dtype']} (computed in {m['compute_dtype']})",
     ]
     click.echo("\n".join(lines))

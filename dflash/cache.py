@@ -282,6 +282,7 @@ def info(path: str | Path) -> dict:
     S, T = m["num_shards"], m["token_budget"]
     done_tokens = sum(r["tokens"] for r in records)
     size = disk_bytes(cache.path)
+    side = sum((cache.path / f).stat().st_size for f in (WEIGHTS_FILE, TARGET_CONFIG_FILE))
     return {
         "path": str(cache.path),
         "cache_key": m["cache_key"],
@@ -294,6 +295,7 @@ def info(path: str | Path) -> dict:
         "fill_ratio": m["stats"]["tokens"] / (S * T),
         "bytes_on_disk": size,
         "bytes_per_token": size / done_tokens if done_tokens else None,
+        "shard_bytes_per_token": (size - side) / done_tokens if done_tokens else None,  # without the weights
         "manifest": m,
     }
 

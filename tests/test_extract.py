@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,14 @@ def test_bad_input_gives_one_line_error_and_commits_nothing(tmp_path, small_data
     assert not (out / "commits").exists() or not list((out / "commits").iterdir())
     if case == "not_a_cache":
         assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_the_data_readme_reader_snippet_runs(cache_dir):
+    """data/README.md shows how to read a cache without dflash: that code must work."""
+    readme = (Path(__file__).resolve().parent.parent / "data" / "README.md").read_text()
+    snippet = readme.split("### Reading a cache without dflash")[1].split("```python")[1].split("```")[0]
+    scope = {}
+    exec(snippet.replace("CACHE", str(cache_dir)).replace("index(17)", "index(2)"), scope)
+    assert scope["h"].shape == (512, 128) and scope["h"].dtype == torch.bfloat16
+    expected = Cache(cache_dir, layers=[2]).read_shard(0).hidden[:, 0]
+    assert np.array_equal(scope["h"].view(torch.int16).numpy().view(np.uint16), expected)
