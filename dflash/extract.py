@@ -9,6 +9,7 @@ k % world, so several torchrun ranks write one cache, each its own shards.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         else:
             docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
             model = _load_model(target_path, device, dtype, cfg)
-            _create(out, fields, manifest_extra, plan_arrays, model, tconf, tokenizer, cfg.compressor)
+            _create(out, cfg, fields, manifest_extra, plan_arrays, model, tconf, tokenizer)
             log(f"planned {manifest_extra['num_shards']} shards of {cfg.token_budget} tokens "
                 f"(fill {manifest_extra['stats']['tokens'] / (manifest_extra['num_shards'] * cfg.token_budget):.1%})")
     d.barrier()
@@ -77,10 +78,11 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
     cache = cachelib.Cache(out, mode="r+")
     committed = set(cache.committed())
     windows = _my_windows(cache.num_shards, committed, cfg.window, d)
-    if not windows:
-        log(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): nothing to do")
+    if not windows:  # this rank's shards are all committed (other ranks may still have work)
+        if len(committed) == cache.num_shards:
+            log(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): nothing to do")
         d.barrier()
-        return {"shards_written": 0, "complete": True}
+        return {"shards_written": 0, "complete": len(committed) == cache.num_shards}
     if model is None:
         model = _load_model(target_path, device, dtype, cfg)
     docs = _docs_for(cfg, tokenizer, cache, windows, docs)
@@ -152,7 +154,8 @@ def _plan(cfg: ExtractConfig, tokenizer, fields: dict, log):
         raise DflashError(f"--data {', '.join(cfg.data)}: no rows (empty dataset)")
     tok = Tokenizer(tokenizer, cfg.resolved_max_len())
     docs, dropped = {}, []
-    for item in tqdm(tok(rows), total=len(rows), desc="tokenize", unit="row", disable=not _tty(), leave=False):
+    for item in tqdm(tok(rows), total=len(rows), desc="tokenize", unit="row", disable=not sys.stderr.isatty(),
+                     leave=False):
         if isinstance(item, Dropped):
             dropped.append(item)
         else:
@@ -189,7 +192,7 @@ def _plan(cfg: ExtractConfig, tokenizer, fields: dict, log):
     return docs, extra, plan_arrays
 
 
-def _create(out: Path, fields: dict, extra: dict, plan_arrays, model, tconf, tokenizer, compressor: str) -> None:
+def _create(out: Path, cfg: ExtractConfig, fields: dict, extra: dict, plan_arrays, model, tconf, tokenizer) -> None:
     key_fields = {k: v for k, v in fields.items() if not k.startswith("_")}
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -197,7 +200,7 @@ def _create(out: Path, fields: dict, extra: dict, plan_arrays, model, tconf, tok
         **key_fields,
         "cache_key": cachelib.cache_key(key_fields),
         "dflash_version": dflash.__version__,
-        "target": {"name": str(tconf._name_or_path or ""), "path": str(model.name_or_path),
+        "target": {"name": cfg.target, "path": str(model.name_or_path),
                    "model_type": tconf.model_type, "num_layers": tconf.num_hidden_layers,
                    "architectures": getattr(model.config, "architectures", None)},
         "hidden_size": tconf.hidden_size,
@@ -210,18 +213,12 @@ def _create(out: Path, fields: dict, extra: dict, plan_arrays, model, tconf, tok
     weights = {"embed_tokens.weight": model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16),
                "lm_head.weight": model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16)}
     cachelib.create_cache(out, manifest, *plan_arrays, weights=weights, target_config=model.config.to_dict(),
-                          compressor=compressor)
+                          compressor=cfg.compressor)
 
 
 def _load_model(path, device, dtype, cfg):
     model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation)
     return model
-
-
-def _tty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()
 
 
 # -- scheduling -----------------------------------------------------------------------------------------
@@ -256,8 +253,8 @@ def _docs_for(cfg, tokenizer, cache, windows, docs: dict[int, Doc]) -> dict[int,
 
 def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Group documents, longest first, into forwards of <= batch_size rows and <= batch_tokens padded
-    tokens. Sorting by length keeps padding small. Row counts are powers of two: fla's GatedDeltaNet
-    kernels autotune once per batch size (~15 s each on an H200), so few distinct sizes matter."""
+    tokens. Sorting by length keeps padding small. Row counts are powers of two: some of fla's
+    GatedDeltaNet kernels autotune once per batch size, so few distinct sizes matter."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, i = [], 0
     while i < len(order):
@@ -301,7 +298,7 @@ class _Writer(threading.Thread):
         self.pool = ThreadPoolExecutor(write_threads, thread_name_prefix="dflash-write")
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        self.write_s = self.gpu_forward_s = self.copy_wait_s = 0.0
+        self.write_s = self.gpu_forward_s = 0.0
 
     def run(self):
         with self.pool:
@@ -319,7 +316,6 @@ class _Writer(threading.Thread):
                 self.free.put(slot)
 
     def _write(self, slot: _Slot, shards, input_ids, loss_mask):
-        t0 = time.perf_counter()
         if slot.copied is not None:
             slot.copied.synchronize()  # host sync: the window's D2H copy has landed
             self.gpu_forward_s += sum(a.elapsed_time(b) for a, b in slot.batches) / 1e3
@@ -332,7 +328,6 @@ class _Writer(threading.Thread):
                 continue  # committed before a crash: the window was recomputed, the shard is not rewritten
             self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool)
             self.on_commit(s)
-        self.copy_wait_s += t1 - t0
         self.write_s += time.perf_counter() - t1
 
     def check(self):
