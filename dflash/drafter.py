@@ -1,0 +1,180 @@
+"""The DFlash drafter: Qwen3-style layers over blocks of [anchor, MASK x (B-1)], conditioned on the
+target's hidden states by KV injection. Pure module: no data handling, no loss.
+
+    ctx    = hidden_norm(fc(concat of the L captured target layers))            # [T, H]
+    block  = target_embed([anchor token, MASK, ..., MASK])                       # [A*B, H]
+    layer: Q from the block; K, V = this layer's k_proj / v_proj of [ctx ; block]; RoPE on Q and K;
+           attention is not causal inside a block; a block sees only the context before its anchor.
+    logits = target_lm_head(norm(h))
+
+The embeddings and the LM head are the target's, frozen (buffers: never trained, never saved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Shape of the drafter. `hidden_size` and `vocab_size` are the target's (it borrows them)."""
+
+    num_layers: int = 5
+    """Decoder layers of the drafter."""
+    hidden_size: int = 4096
+    """Must equal the target's hidden size."""
+    intermediate_size: int = 12288
+    """SwiGLU MLP width."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 8
+    """Key/value heads (GQA)."""
+    head_dim: int = 128
+    """Width of one head."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base (Qwen3: 1e6)."""
+    block_size: int = 16
+    """B: tokens per draft block (the anchor and B-1 MASK tokens)."""
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])
+    """Target layers the drafter reads (a subset of the cache's); their count sets fc's input width."""
+    mask_token_id: int = 0
+    """The MASK token: a token id in the target's vocabulary."""
+    vocab_size: int = 151936
+    """The target's vocabulary size."""
+    max_position_embeddings: int = 40960
+    """Recorded in the export's config.json; RoPE itself needs no table."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(dtype) * x.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face / Qwen convention). x: [..., N, D]; cos, sin: [N, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] (fp32) for integer positions [N]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.n_q, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.n_q * D, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.o_proj = nn.Linear(self.n_q * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, attend) -> torch.Tensor:
+        """x: block states [N, H]; ctx: context [T, H]; rope_q: tables for the N block positions;
+        rope_kv: for the T + N key positions; attend(q, k, v) -> [1, n_q, N, D]."""
+        N, T, D = x.shape[0], ctx.shape[0], self.head_dim
+        kv_in = torch.cat([ctx, x], dim=0)  # [T+N, H]: KV injection
+        q = self.q_norm(self.q_proj(x).view(N, self.n_q, D)).transpose(0, 1)  # [n_q, N, D]
+        k = self.k_norm(self.k_proj(kv_in).view(T + N, self.n_kv, D)).transpose(0, 1)  # [n_kv, T+N, D]
+        v = self.v_proj(kv_in).view(T + N, self.n_kv, D).transpose(0, 1)
+        q = rope(q, *rope_q).to(x.dtype)
+        k = rope(k, *rope_kv).to(x.dtype)
+        out = attend(q[None], k[None], v[None])  # [1, n_q, N, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(N, self.n_q * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, rope_q, rope_kv, attend):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    """Parameters are those of the reference export (`layers.{i}...`, `fc`, `hidden_norm`, `norm`)."""
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        # the target's, frozen: buffers so that optimizers, state_dict and DDP leave them alone
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("head_weight", head_weight.detach(), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, L, H] captured target states -> [T, H] context features."""
+        T = hidden.shape[0]
+        return self.hidden_norm(self.fc(hidden.reshape(T, -1).to(self.fc.weight.dtype)))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_weight)
+
+    def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
+                attend) -> torch.Tensor:
+        """Final normed states of the block tokens [N, H].
+
+        ctx [T, H] and ctx_pos [T]: context features and their positions; block_ids, block_pos [N]:
+        the block tokens (anchor, MASK, ...) and their positions; attend(q, k, v): attention with the
+        mask that says which of the T + N keys each of the N queries sees."""
+        cfg = self.cfg
+        x = self.embed(block_ids).to(ctx.dtype)  # [N, H]
+        rope_q = rope_tables(block_pos, cfg.head_dim, cfg.rope_theta)
+        rope_kv = rope_tables(torch.cat([ctx_pos, block_pos]), cfg.head_dim, cfg.rope_theta)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, attend)
+        return self.norm(x)

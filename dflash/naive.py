@@ -1,0 +1,52 @@
+"""The plain reference of the DFlash objective: one anchor at a time, dense attention over exactly the
+keys that anchor may see, full logits, fp32. Slow and obviously right; `dflash.objective` must match it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.drafter import Drafter
+
+
+def plain_attention(q, k, v):
+    """Unmasked softmax attention with GQA by repetition. q [1, n_q, N, D], k / v [1, n_kv, M, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.softmax(-1) @ v
+
+
+def naive_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, anchors, *, gamma: float,
+               labels_from: str = "target") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, slot_correct [B-1], slot_count [B-1]) for the given anchor positions of one shard."""
+    cfg = model.cfg
+    B, T = cfg.block_size, input_ids.shape[0]
+    ctx_all = model.context(hidden)  # per-position features: computing them for all positions is the same
+    ends = doc_lens.long().cumsum(0).tolist()
+    starts = [e - n for e, n in zip(ends, doc_lens.tolist())]
+    total, weight_sum = torch.zeros(()), torch.zeros(())
+    correct, count = torch.zeros(B - 1, dtype=torch.long), torch.zeros(B - 1, dtype=torch.long)
+    for p in anchors.tolist():
+        doc = next((i for i, (s, e) in enumerate(zip(starts, ends)) if s <= p < e), None)
+        if doc is None or p + 1 >= ends[doc] or not (loss_mask[p] and loss_mask[p + 1]):
+            continue  # not a valid anchor: no loss
+        s, e = starts[doc], ends[doc]
+        ctx = ctx_all[s:p]  # the context before the anchor, this document only
+        ctx_pos = torch.arange(0, p - s)
+        ids = torch.full((B,), cfg.mask_token_id, dtype=torch.long)
+        ids[0] = input_ids[p]
+        block_pos = torch.arange(p - s, p - s + B)
+        h = model(ctx, ctx_pos, ids, block_pos, plain_attention)  # [B, H]
+        logits = (h.float() @ model.head_weight.float().t())  # [B, V]
+        for k in range(1, B):
+            t = p + k
+            if t >= e or not loss_mask[t]:
+                continue
+            label = int(target_ids[t - 1]) if labels_from == "target" else int(input_ids[t])
+            w = torch.exp(torch.tensor(-(k - 1) / gamma))
+            total = total + w * F.cross_entropy(logits[k][None], torch.tensor([label]))
+            weight_sum = weight_sum + w
+            correct[k - 1] += int(logits[k].argmax() == label)
+            count[k - 1] += 1
+    return total / weight_sum.clamp(min=1e-6), correct, count

@@ -1,0 +1,224 @@
+"""The fixed-shape DFlash training objective for one shard: anchors, blocks, attention mask, loss.
+
+Every tensor has a shape fixed by (T, D, A, B), nothing syncs with the host, and the same code runs
+eagerly on CPU (attention through SDPA with a dense mask) and compiled on GPU (flex_attention with a
+block mask built inside the graph). `dflash.naive` is the plain per-anchor reference it is tested
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.drafter import Drafter
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay of the reference recipe: 7 for B = 16, 5 for B = 10, 4 for B = 8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1  -> [B-1]."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+@dataclass
+class Layout:
+    """Where the documents of a packed shard are, per position [T]."""
+
+    doc_id: torch.Tensor  # [T] int64: index of the document; D (past the last) at padding
+    pos: torch.Tensor  # [T] int64: position inside its document (0 at each document start)
+    doc_end: torch.Tensor  # [T] int64: exclusive end of its document (absolute)
+    real: torch.Tensor  # [T] bool: not padding
+
+
+def layout(doc_lens: torch.Tensor, T: int) -> Layout:
+    """Vectorised over doc_lens [D]: no repeat_interleave, no data-dependent shapes."""
+    ends = doc_lens.long().cumsum(0)  # [D]
+    starts = ends - doc_lens.long()
+    t = torch.arange(T, device=doc_lens.device)
+    doc_id = (t[:, None] >= ends[None, :]).sum(1)  # [T]
+    d = doc_id.clamp(max=doc_lens.shape[0] - 1)
+    return Layout(doc_id, t - starts[d], ends[d], t < ends[-1])
+
+
+def valid_anchors(lay: Layout, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] bool: positions p with loss on p and p+1, both in one document."""
+    lm = loss_mask.bool()
+    nxt = torch.cat([lm[1:], lm.new_zeros(1)])
+    p = torch.arange(lm.shape[0], device=lm.device)
+    return lay.real & lm & nxt & (p + 1 < lay.doc_end)
+
+
+def sample_anchors(valid: torch.Tensor, num_anchors: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A anchors drawn uniformly without replacement from the valid positions, sorted ([A] int64), and
+    which of them are real ([A] bool: fewer valid positions than A leaves some slots unused)."""
+    scores = torch.rand(valid.shape[0], device=valid.device, generator=generator)
+    scores = torch.where(valid, scores, -1.0)
+    anchors = scores.topk(num_anchors).indices.sort().values
+    return anchors, valid[anchors]
+
+
+@dataclass
+class Blocks:
+    ids: torch.Tensor  # [A*B] block tokens: anchor token, then MASK
+    pos: torch.Tensor  # [A*B] their positions inside the document
+    labels: torch.Tensor  # [A, B-1] what slots 1..B-1 should predict
+    weights: torch.Tensor  # [A, B-1] loss weight (0: no loss)
+
+
+def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mask, *, block_size: int,
+                mask_token_id: int, gamma: float, labels_from: str) -> Blocks:
+    T, B = input_ids.shape[0], block_size
+    k = torch.arange(B, device=anchors.device)
+    ids = torch.where(k == 0, input_ids[anchors][:, None], mask_token_id)  # [A, B]
+    pos = lay.pos[anchors][:, None] + k  # [A, B]
+    label_pos = anchors[:, None] + k[1:]  # [A, B-1] absolute positions of the predicted tokens
+    inside = label_pos < lay.doc_end[anchors][:, None]
+    lp = label_pos.clamp(max=T - 1)
+    if labels_from == "target":  # target_ids[t] is the target's prediction of the token at t+1
+        labels = target_ids[lp - 1]
+    else:
+        labels = input_ids[lp]
+    weights = slot_weights(B, gamma, anchors.device)[None, :] * (inside & loss_mask[lp].bool() & anchor_ok[:, None])
+    return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), weights)
+
+
+def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
+    """[A*B, T + A*B] bool: block token (a, k) sees context j < anchor_a of its document, and its own
+    block. For SDPA on CPU; the GPU path builds the same mask as a flex_attention BlockMask."""
+    T, A, B = lay.doc_id.shape[0], anchors.shape[0], block_size
+    a = torch.arange(A * B, device=anchors.device) // B  # [A*B] block of each query
+    j = torch.arange(T, device=anchors.device)
+    ctx = (lay.doc_id[None, :] == lay.doc_id[anchors][a][:, None]) & (j[None, :] < anchors[a][:, None])
+    own = a[:, None] == a[None, :]
+    return torch.cat([ctx, own], dim=1)
+
+
+def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T, A, B = lay.doc_id.shape[0], anchors.shape[0], block_size
+    doc_id, anchor_doc = lay.doc_id, lay.doc_id[anchors]
+
+    def mask_mod(b, h, q, kv):
+        a = q // B
+        in_ctx = kv < T
+        ctx_ok = (doc_id[kv.clamp(max=T - 1)] == anchor_doc[a]) & (kv < anchors[a])
+        return torch.where(in_ctx, ctx_ok, (kv - T) // B == a)
+
+    return create_block_mask(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device)
+
+
+def sdpa_attention(mask: torch.Tensor):
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
+    return attend
+
+
+def flex_attention_fn(block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return attend
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) over rows, in chunks: the [N, V] logits never exist at once, and
+    the frozen head W gets no gradient. The gradient for h is computed chunk by chunk in the forward
+    (so nothing of the logits is kept) and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, w, chunk):
+        N = h.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.empty(N, dtype=torch.bool, device=h.device)
+        grad = torch.empty_like(h) if need_grad else None
+        for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph
+            hc, yc, wc = h[i : i + chunk], labels[i : i + chunk], w[i : i + chunk]
+            logits = (hc @ weight.t()).float()  # [c, V]
+            lse = logits.logsumexp(-1)
+            total = total + (wc * (lse - logits.gather(1, yc[:, None])[:, 0])).sum()
+            correct[i : i + chunk] = logits.argmax(-1) == yc
+            if need_grad:
+                p = torch.exp(logits - lse[:, None])  # softmax
+                p = p.scatter_add(1, yc[:, None], -torch.ones_like(p[:, :1]))
+                grad[i : i + chunk] = ((p * wc[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+        ctx.mark_non_differentiable(correct)
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None
+
+
+def head_cross_entropy(h, weight, labels, w, chunk: int = 1024):
+    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head."""
+    return _HeadCrossEntropy.apply(h, weight, labels, w, chunk)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # [] weighted mean cross-entropy
+    weight_sum: torch.Tensor  # []
+    slot_correct: torch.Tensor  # [B-1] correct predictions among trained slots
+    slot_count: torch.Tensor  # [B-1] trained slots
+    anchors: torch.Tensor  # [A]
+    anchor_ok: torch.Tensor  # [A]
+
+
+def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
+                 gamma: float, labels_from: str = "target", attention: str = "sdpa", ce_chunk: int = 1024,
+                 anchors: torch.Tensor | None = None, generator=None) -> StepOutput:
+    """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
+    doc_lens [D]. `anchors` (sorted [A]) replaces the random draw, for tests."""
+    cfg = model.cfg
+    T, B = input_ids.shape[0], cfg.block_size
+    lay = layout(doc_lens, T)
+    valid = valid_anchors(lay, loss_mask)
+    if anchors is None:
+        anchors, anchor_ok = sample_anchors(valid, num_anchors, generator)
+    else:
+        anchor_ok = valid[anchors]
+    blocks = make_blocks(anchors, anchor_ok, lay, input_ids, target_ids, loss_mask, block_size=B,
+                         mask_token_id=cfg.mask_token_id, gamma=gamma, labels_from=labels_from)
+    if attention == "flex":
+        attend = flex_attention_fn(flex_block_mask(anchors, lay, B))
+    else:
+        attend = sdpa_attention(dense_mask(anchors, lay, B))
+    ctx = model.context(hidden)  # [T, H]
+    h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend)  # [A*B, H]
+    h = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])  # slots 1..B-1: [A*(B-1), H]
+    w = blocks.weights.reshape(-1)
+    total, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), w, ce_chunk)
+    weight_sum = w.sum()
+    trained = (blocks.weights > 0).view(-1, B - 1)
+    return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum,
+                      (correct.view(-1, B - 1) & trained).sum(0), trained.sum(0), anchors, anchor_ok)
+
+
+def flops_per_step(cfg, T: int, num_anchors: int, visible_keys: float | None = None) -> float:
+    """Training FLOPs of one step, counted as issue 3 prescribes (fwd + bwd, frozen head fwd + input grad):
+    per layer 6[(Wq+Wo+Wmlp)AB + (Wk+Wv)(AB+T)], + 6 Wfc T, + 4 V H A(B-1), + 12 heads head_dim sum(visible
+    keys). `visible_keys` defaults to a causal context of half the shard per block token."""
+    A, B, H = num_anchors, cfg.block_size, cfg.hidden_size
+    q_o = 2 * H * cfg.num_attention_heads * cfg.head_dim
+    k_v = 2 * H * cfg.num_key_value_heads * cfg.head_dim
+    mlp = 3 * H * cfg.intermediate_size
+    per_layer = 6 * ((q_o + mlp) * A * B + k_v * (A * B + T))
+    fc = 6 * len(cfg.target_layer_ids) * H * H * T
+    head = 4 * cfg.vocab_size * H * A * (B - 1)
+    if visible_keys is None:
+        visible_keys = A * B * (T / 2 + B)
+    attn = 12 * cfg.num_attention_heads * cfg.head_dim * visible_keys * cfg.num_layers
+    return cfg.num_layers * per_layer + fc + head + attn

@@ -1,0 +1,157 @@
+"""The fixed-shape objective against the naive per-anchor reference (outputs and gradients), on random
+inputs; the pieces it is made of (layout, anchors, blocks, chunked cross-entropy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from dflash.drafter import Drafter, DrafterConfig
+from dflash.naive import naive_loss
+from dflash.objective import (default_gamma, drafter_loss, head_cross_entropy, layout, make_blocks, sample_anchors,
+                              valid_anchors)
+
+V, H, B = 300, 64, 8
+
+
+def tiny_drafter(seed=0, layers=(1, 3)) -> Drafter:
+    cfg = DrafterConfig(num_layers=2, hidden_size=H, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, block_size=B, target_layer_ids=list(layers),
+                        mask_token_id=V - 1, vocab_size=V, rope_theta=10000.0)
+    g = torch.Generator().manual_seed(seed)
+    model = Drafter(cfg, torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2)
+    model.reset_parameters(std=0.1, seed=seed)
+    return model
+
+
+def random_shard(seed=0, T=96, doc_lens=(30, 25, 20), D=6, L=2):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.zeros(D, dtype=torch.int32)
+    lens[: len(doc_lens)] = torch.tensor(doc_lens)
+    used = int(lens.sum())
+    input_ids = torch.randint(0, V - 1, (T,), generator=g)
+    loss_mask = (torch.rand(T, generator=g) > 0.15).to(torch.uint8)
+    input_ids[used:], loss_mask[used:] = 0, 0
+    target_ids = torch.randint(0, V - 1, (T,), generator=g)
+    hidden = torch.randn(T, L, H, generator=g)
+    hidden[used:] = 0
+    return dict(hidden=hidden, input_ids=input_ids, loss_mask=loss_mask, target_ids=target_ids, doc_lens=lens)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("labels_from", ["target", "data"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_loss_and_gradients_match_the_naive_reference(seed, labels_from):
+    model, shard = tiny_drafter(seed), random_shard(seed)
+    gamma = 3.0
+    gen = torch.Generator().manual_seed(seed)
+    out = drafter_loss(model, **shard, num_anchors=10, gamma=gamma, labels_from=labels_from, ce_chunk=7, generator=gen)
+    out.loss.backward()
+    fast = grads(model)
+    model.zero_grad()
+    ref, correct, count = naive_loss(model, **shard, anchors=out.anchors, gamma=gamma, labels_from=labels_from)
+    ref.backward()
+    slow = grads(model)
+    assert out.anchor_ok.sum() >= 8, "the test must exercise real anchors"
+    assert rel_err(out.loss.detach(), ref.detach()) < 1e-5
+    for name in fast:
+        assert rel_err(fast[name], slow[name]) < 1e-4, name
+    assert torch.equal(out.slot_correct, correct) and torch.equal(out.slot_count, count)
+
+
+def test_packing_is_invisible():
+    """A document's loss is the same alone at offset 0 as packed behind others."""
+    model = tiny_drafter(3)
+    packed = random_shard(3, doc_lens=(30, 25, 20))
+    alone = {k: v.clone() for k, v in packed.items()}
+    start, n = 55, 20  # the third document
+    for key in ("hidden", "input_ids", "loss_mask", "target_ids"):
+        alone[key].zero_()
+        alone[key][:n] = packed[key][start:start + n]
+    alone["doc_lens"] = torch.tensor([n, 0, 0, 0, 0, 0], dtype=torch.int32)
+    anchors = torch.tensor([2, 5, 9, 13])
+    a = drafter_loss(model, **alone, num_anchors=4, gamma=4.0, anchors=anchors)
+    b = drafter_loss(model, **packed, num_anchors=4, gamma=4.0, anchors=anchors + start)
+    assert a.anchor_ok.all() == b.anchor_ok.all()
+    assert rel_err(a.loss.detach(), b.loss.detach()) < 1e-5
+
+
+def test_flex_attention_forward_matches_sdpa_on_cpu():
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: F401  (present in torch >= 2.5)
+
+    model, shard = tiny_drafter(4), random_shard(4, T=128, doc_lens=(60, 40))
+    anchors = torch.tensor([3, 10, 20, 33, 50, 61, 70, 90])
+    with torch.no_grad():
+        a = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="sdpa")
+        b = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="flex")
+    assert rel_err(a.loss, b.loss) < 1e-5
+
+
+def test_layout_and_valid_anchors():
+    lens = torch.tensor([3, 4, 0, 0], dtype=torch.int32)
+    lay = layout(lens, 10)
+    assert lay.doc_id.tolist() == [0, 0, 0, 1, 1, 1, 1, 4, 4, 4]
+    assert lay.pos[:7].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert lay.doc_end[:7].tolist() == [3, 3, 3, 7, 7, 7, 7] and lay.real.tolist() == [True] * 7 + [False] * 3
+    mask = torch.tensor([1, 1, 1, 1, 0, 1, 1, 0, 0, 0], dtype=torch.uint8)
+    # p valid: loss on p and p+1, p+1 inside p's document
+    assert valid_anchors(lay, mask).tolist() == [True, True, False, False, False, True, False, False, False, False]
+
+
+def test_anchor_sampling_is_uniform_over_valid_positions_and_fixed_size():
+    valid = torch.zeros(50, dtype=torch.bool)
+    valid[[3, 7, 8, 20, 21, 22, 40]] = True
+    anchors, ok = sample_anchors(valid, 10, torch.Generator().manual_seed(0))
+    assert anchors.shape == (10,) and torch.equal(anchors, anchors.sort().values)
+    assert sorted(anchors[ok].tolist()) == [3, 7, 8, 20, 21, 22, 40] and ok.sum() == 7
+    counts = torch.zeros(50)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        a, o = sample_anchors(valid, 3, gen)
+        counts[a[o]] += 1
+    freq = counts[valid] / 2000
+    assert ((freq - 3 / 7).abs() < 0.05).all(), freq  # each valid position with probability A / valid
+
+
+def test_blocks_labels_and_weights():
+    T = 12
+    lens = torch.tensor([7, 5], dtype=torch.int32)
+    lay = layout(lens, T)
+    input_ids = torch.arange(100, 100 + T)
+    target_ids = torch.arange(200, 200 + T)
+    loss_mask = torch.ones(T, dtype=torch.uint8)
+    loss_mask[9] = 0
+    anchors, ok = torch.tensor([4, 8]), torch.tensor([True, True])
+    b = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7, gamma=2.0,
+                    labels_from="data")
+    assert b.ids.tolist() == [104, 7, 7, 7, 108, 7, 7, 7]
+    assert b.pos.tolist() == [4, 5, 6, 7, 1, 2, 3, 4]  # positions restart in every document
+    assert b.labels.tolist() == [[105, 106, 107], [109, 110, 111]]
+    w = torch.exp(-torch.arange(3) / 2.0)
+    # anchor 4: slots 1, 2 inside document 0 (ends at 7), slot 3 past its end; anchor 8: slot 1 has no loss
+    torch.testing.assert_close(b.weights, torch.stack([w * torch.tensor([1, 1, 0]), w * torch.tensor([0, 1, 1])]))
+    t = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7, gamma=2.0,
+                    labels_from="target")
+    assert t.labels.tolist() == [[204, 205, 206], [208, 209, 210]]  # target_ids[t-1] predicts token t
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+
+
+def test_chunked_head_cross_entropy_matches_full_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 32, generator=g, requires_grad=True)
+    W = torch.randn(500, 32, generator=g)
+    y = torch.randint(0, 500, (37,), generator=g)
+    w = torch.rand(37, generator=g)
+    total, correct = head_cross_entropy(h, W, y, w, chunk=8)
+    total.backward()
+    h2 = h.detach().clone().requires_grad_()
+    logits = h2 @ W.t()
+    ref = (w * F.cross_entropy(logits, y, reduction="none")).sum()
+    ref.backward()
+    assert rel_err(total.detach(), ref.detach()) < 1e-6 and rel_err(h.grad, h2.grad) < 1e-5
+    assert torch.equal(correct, logits.argmax(-1) == y)
