@@ -37,9 +37,12 @@ def main():
 
 
 def _register():
-    from dflash_cli import cache, demo, extract
+    from dflash_cli import cache, demo, export, extract, train
 
     main.add_command(extract.extract)
+    main.add_command(train.train)
+    main.add_command(export.export)
+    main.add_command(export.evaluate)
     main.add_command(cache.cache)
     main.add_command(demo.demo)
 

@@ -85,8 +85,109 @@ class ExtractConfig:
             raise DflashError(f"--limit must be >= 1, got {self.limit}")
 
 
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `dflash train` needs. Drafter widths left at None are copied from the target's config."""
+
+    cache: str = ""
+    """The hidden-state cache to train from."""
+    out: str = ""
+    """Run folder: config, checkpoints, metrics. Running again on it resumes."""
+    layers: list[int] | None = None
+    """Target layers the drafter reads (a subset of the cache's). None: all of the cache's."""
+    num_layers: int = 5
+    """Drafter depth."""
+    intermediate_size: int | None = None
+    """Drafter MLP width (None: the target's)."""
+    num_attention_heads: int | None = None
+    """Query heads (None: the target's)."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (None: the target's)."""
+    head_dim: int | None = None
+    """Head width (None: the target's)."""
+    rope_theta: float | None = None
+    """RoPE base (None: the target's)."""
+    block_size: int = 16
+    """B: tokens per draft block."""
+    num_anchors: int = 512
+    """A: anchors (blocks) per shard and step."""
+    gamma: float | None = None
+    """Loss decay over block slots (None: 7 for B = 16, 5 for 10, 4 for 8)."""
+    labels: str = "target"
+    """`target`: learn the target's own greedy predictions (what acceptance is measured against);
+    `data`: the data's next tokens."""
+    mask_token_id: int | None = None
+    """The MASK token id (None: `dflash_mask_token_id` of the target's config)."""
+    lr: float = 6e-4
+    """Peak learning rate."""
+    warmup: float = 0.04
+    """Linear warmup, as a fraction of all steps."""
+    min_lr_ratio: float = 0.0
+    """The cosine decays to lr * min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
+    epochs: int = 6
+    """Passes over the training shards."""
+    max_steps: int | None = None
+    """Stop after this many steps (and size the schedule for them)."""
+    holdout_shards: int = 0
+    """Shards kept out of training for `dflash eval` (chosen by the seed)."""
+    seed: int = 0
+    """Seeds shard order, anchors and initialisation."""
+    save_every: int = 1000
+    """Checkpoint every N steps (and at the end)."""
+    log_every: int = 10
+    """Read the loss back from the device and log every N steps."""
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
+    compile: str = "auto"
+    """`auto` (on GPU), `yes`, `no`: torch.compile(mode="reduce-overhead") of the step."""
+    ce_chunk: int = 1024
+    """Rows of logits computed at once by the chunked cross-entropy."""
+    prefetch: int = 3
+    """Shards read ahead into pinned memory."""
+    follow: bool = False
+    """Train on shards as an extract still commits them into the cache."""
+    on_corrupt: str = "fail"
+    """A shard failing its checksums: `fail` (exit, naming it) or `skip` it."""
+
+    # fields that change only how a run executes, not what it computes: free to differ on resume
+    RUNTIME_FIELDS = ("save_every", "log_every", "device", "compile", "prefetch", "follow", "on_corrupt", "ce_chunk")
+
+    def resolved_gamma(self) -> float:
+        from dflash.objective import default_gamma
+
+        return default_gamma(self.block_size) if self.gamma is None else self.gamma
+
+    def validate(self) -> None:
+        if not self.cache:
+            raise DflashError("no cache: pass --cache")
+        if not self.out:
+            raise DflashError("no run folder: pass --out")
+        for name in ("num_layers", "block_size", "num_anchors", "epochs", "save_every", "log_every", "ce_chunk",
+                     "prefetch"):
+            if getattr(self, name) < 1:
+                raise DflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise DflashError(f"--block-size must be >= 2, got {self.block_size}")
+        if self.labels not in ("target", "data"):
+            raise DflashError(f"--labels must be target or data, got {self.labels!r}")
+        if self.compile not in ("auto", "yes", "no"):
+            raise DflashError(f"--compile must be auto, yes or no, got {self.compile!r}")
+        if self.on_corrupt not in ("fail", "skip"):
+            raise DflashError(f"--on-corrupt must be fail or skip, got {self.on_corrupt!r}")
+        if not 0 <= self.warmup < 1:
+            raise DflashError(f"--warmup is a fraction of the run in [0, 1), got {self.warmup}")
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the run it continues."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUNTIME_FIELDS}
+
+
 # Fields holding paths: resolved against the preset's folder when they come from a preset.
-_PATH_FIELDS = {"target", "data", "out"}
+_PATH_FIELDS = {"target", "data", "out", "cache"}
 
 
 def load_preset(path: str | Path) -> dict:

@@ -1,0 +1,43 @@
+"""`dflash export` and `dflash eval`: use a trained drafter."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from dflash_cli.extract import _int_list
+from dflash_cli.main import user_errors
+
+
+@click.command(name="export")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--out", required=True, help="Folder for the Hugging Face drafter.")
+@user_errors
+def export(run, out):
+    """Write RUN's latest checkpoint as a drafter SGLang and vLLM serve (DFlash reference format)."""
+    from dflash.export import export as do_export
+
+    path = do_export(run, out)
+    click.echo(f"exported {run} -> {path} (config.json, model.safetensors, README.md)")
+
+
+@click.command(name="eval")
+@click.option("--drafter", "drafter", required=True, help="A training run folder or an exported drafter.")
+@click.option("--cache", required=True, help="A cache of the same target.")
+@click.option("--shards", callback=_int_list, help="Shards to evaluate (default: the run's held-out shards, else all).")
+@click.option("--max-shards", type=int, help="Evaluate at most N of them.")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tau, per_slot, ...).")
+@user_errors
+def evaluate(drafter, cache, shards, max_shards, device, as_json):
+    """Offline acceptance length tau of a drafter against the target's recorded predictions."""
+    from dflash.evaluate import evaluate as run
+
+    result = run(drafter, cache, shards, device, max_shards)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    slots = " ".join(f"{p:.2f}" for p in result["per_slot"])
+    click.echo(f"tau {result['tau']:.3f} over {result['blocks']} blocks of {result['block_size']} "
+               f"({len(result['shards'])} shards)\nacceptance by slot: {slots}")

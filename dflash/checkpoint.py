@@ -1,0 +1,106 @@
+"""Checkpoints of a training run: safetensors and JSON only (no pickles).
+
+    RUN/config.json                      the run's self-describing config (train + drafter + cache key)
+    RUN/checkpoints/step-00000120/       model.safetensors, optimizer.safetensors, rng.safetensors,
+                                         state.json (step, data cursor, optimizer hyperparameters)
+    RUN/checkpoints/latest.json          {"step": 120, "dir": "step-00000120"}, replaced atomically last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.errors import DflashError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest.json"
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> tuple[dict, list]:
+    """AdamW's state as flat named tensors, plus its param groups (JSON)."""
+    sd = optimizer.state_dict()
+    tensors = {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            tensors[f"{names[idx]}::{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return tensors, sd["param_groups"]
+
+
+def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, keep: int = 2) -> Path:
+    """Write checkpoint `step` (whole or not at all: `latest.json` moves last), keep the newest `keep`."""
+    root = run / CHECKPOINTS
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = dict(model.named_parameters())
+    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "model.safetensors"))
+    index_names = {i: name for i, name in enumerate(params)}
+    tensors, groups = _optimizer_tensors(optimizer, index_names)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "optimizer.safetensors"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, str(tmp / "rng.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": groups,
+                                                "param_names": list(params)}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_json_atomic(root / LATEST, {"step": step, "dir": final.name})
+    older = sorted(p for p in root.glob("step-*") if p != final)
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(run: Path) -> Path | None:
+    try:
+        info = json.loads((run / CHECKPOINTS / LATEST).read_text())
+    except (OSError, ValueError):
+        return None
+    path = run / CHECKPOINTS / info["dir"]
+    return path if path.is_dir() else None
+
+
+def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
+    """Restore weights (and optimizer, RNG) from a checkpoint folder; returns its state.json."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        weights = load_file(str(path / "model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise DflashError(f"{path}: unreadable checkpoint ({e})") from None
+    missing = set(dict(model.named_parameters())) ^ set(weights)
+    if missing:
+        raise DflashError(f"{path}: checkpoint does not fit the drafter (parameters {sorted(missing)[:3]} ...)")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    if optimizer is not None:
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        names = state["param_names"]
+        per_param: dict[int, dict] = {}
+        for key, value in tensors.items():
+            name, field = key.split("::")
+            per_param.setdefault(names.index(name), {})[field] = value
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        rng = load_file(str(path / "rng.safetensors"))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))

@@ -1,0 +1,130 @@
+"""`dflash eval`: offline acceptance length of a drafter on cached shards.
+
+For every valid anchor of the evaluated shards, the drafter proposes B-1 tokens greedily; they are
+accepted while they equal the target's own greedy predictions (`target_ids`, recorded at extraction).
+tau = mean accepted + 1 (the target's bonus token), as speculative decoding would count it per block.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash import checkpoint
+from dflash.cache import Cache
+from dflash.drafter import Drafter, DrafterConfig
+from dflash.errors import DflashError
+from dflash.objective import dense_mask, layout, sdpa_attention, valid_anchors
+from dflash.train import load_target_weights
+
+
+def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]:
+    """A drafter from a training run folder (latest checkpoint) or an exported HF folder, with the
+    cache's target embeddings and head. Returns (drafter, info) where info may name held-out shards."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raise DflashError(f"--drafter {path}: no config.json (not a run or an exported drafter)") from None
+    if "drafter" in config:  # a training run
+        dcfg = DrafterConfig(**config["drafter"])
+        ckpt = checkpoint.latest(path)
+        if ckpt is None:
+            raise DflashError(f"--drafter {path}: the run has no checkpoint yet")
+        weights = checkpoint.load_weights(ckpt)
+        info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
+    else:  # an export
+        d = config.get("dflash_config") or {}
+        if "target_layer_ids" not in d:
+            raise DflashError(f"--drafter {path}: config.json has no dflash_config (not a DFlash drafter)")
+        dcfg = DrafterConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                             intermediate_size=config["intermediate_size"],
+                             num_attention_heads=config["num_attention_heads"],
+                             num_key_value_heads=config["num_key_value_heads"],
+                             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                             rms_norm_eps=config["rms_norm_eps"], rope_theta=config.get("rope_theta", 1e6),
+                             block_size=config["block_size"], target_layer_ids=d["target_layer_ids"],
+                             mask_token_id=d["mask_token_id"], vocab_size=config["vocab_size"],
+                             max_position_embeddings=config.get("max_position_embeddings", 40960))
+        weights = load_file(str(path / "model.safetensors"))
+        info = {"holdout_shards": [], "cache_key": None}
+    m = cache.manifest
+    if dcfg.hidden_size != m["hidden_size"] or dcfg.vocab_size != m["vocab_size"]:
+        raise DflashError(f"--drafter {path}: hidden {dcfg.hidden_size} / vocab {dcfg.vocab_size} do not match the "
+                          f"cache's target (hidden {m['hidden_size']}, vocab {m['vocab_size']})")
+    missing = [i for i in dcfg.target_layer_ids if i not in m["layer_ids"]]
+    if missing:
+        raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
+                          f"(it holds {m['layer_ids']})")
+    embed, head = load_target_weights(cache, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    drafter = Drafter(dcfg, embed, head).to(device)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name not in weights:
+                raise DflashError(f"--drafter {path}: weights lack {name}")
+            p.copy_(weights[name].float())
+    return drafter.eval(), info
+
+
+@torch.inference_mode()
+def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchors_per_pass: int = 256,
+               head_chunk: int = 1024) -> dict:
+    """tau and per-slot acceptance over every valid anchor of `shards` (cache opened with the drafter's layers)."""
+    B = drafter.cfg.block_size
+    accepted_total = torch.zeros(B - 1, dtype=torch.float64)
+    blocks = 0
+    for s in shards:
+        shard = cache.read_shard(s)
+        hidden = torch.from_numpy(shard.hidden.view("int16")).view(torch.bfloat16).to(device)
+        input_ids = torch.from_numpy(shard.input_ids).long().to(device)
+        target_ids = torch.from_numpy(shard.target_ids).long().to(device)
+        loss_mask = torch.from_numpy(shard.loss_mask).to(device)
+        T = input_ids.shape[0]
+        lay = layout(torch.from_numpy(shard.doc_lens).to(device), T)
+        valid = valid_anchors(lay, loss_mask).nonzero()[:, 0]  # eval only: data-dependent shapes are fine
+        ctx = drafter.context(hidden.to(drafter.fc.weight.dtype))
+        k = torch.arange(1, B, device=device)
+        for i in range(0, len(valid), anchors_per_pass):
+            anchors = valid[i : i + anchors_per_pass]
+            ids = torch.full((len(anchors), B), drafter.cfg.mask_token_id, device=device)
+            ids[:, 0] = input_ids[anchors]
+            pos = lay.pos[anchors][:, None] + torch.arange(B, device=device)
+            attend = sdpa_attention(dense_mask(anchors, lay, B))
+            h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend).view(len(anchors), B, -1)[:, 1:]
+            h = h.reshape(-1, h.shape[-1])
+            pred = torch.cat([(h[j : j + head_chunk] @ drafter.head_weight.t().to(h.dtype)).argmax(-1)
+                              for j in range(0, h.shape[0], head_chunk)]).view(len(anchors), B - 1)
+            label_pos = anchors[:, None] + k  # the token slot k drafts; target_ids[t-1] is the target's choice
+            inside = label_pos < lay.doc_end[anchors][:, None]
+            match = (pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside
+            accepted_total += match.long().cumprod(1).sum(0).double().cpu()
+            blocks += len(anchors)
+    if blocks == 0:
+        raise DflashError("no valid anchor in the evaluated shards")
+    per_slot = (accepted_total / blocks).tolist()
+    return {"tau": 1.0 + sum(per_slot), "per_slot": per_slot, "blocks": blocks, "shards": shards, "block_size": B}
+
+
+def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None, device: str = "auto",
+             max_shards: int | None = None) -> dict:
+    from dflash.target import resolve_device
+
+    dev = resolve_device(device)
+    probe = Cache(cache_path)
+    drafter, info = load_drafter(drafter_path, probe, dev)
+    cache = Cache(cache_path, layers=drafter.cfg.target_layer_ids)
+    committed = set(cache.committed())
+    if shards is None:
+        same_cache = info["cache_key"] == cache.manifest["cache_key"]
+        shards = [s for s in info["holdout_shards"] if s in committed] if same_cache else []
+        if not shards:
+            shards = sorted(committed)
+    missing = [s for s in shards if s not in committed]
+    if missing:
+        raise DflashError(f"--shards {missing[:5]}: not committed in {cache_path}")
+    if max_shards is not None:
+        shards = shards[:max_shards]
+    return acceptance(drafter, cache, shards, dev)
