@@ -41,3 +41,14 @@ def evaluate(drafter, cache, shards, max_shards, device, as_json):
     slots = " ".join(f"{p:.2f}" for p in result["per_slot"])
     click.echo(f"tau {result['tau']:.3f} over {result['blocks']} blocks of {result['block_size']} "
                f"({len(result['shards'])} shards)\nacceptance by slot: {slots}")
+
+
+@click.command(name="plot")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--out", help="PNG path (default RUN/curves.png).")
+@user_errors
+def plot(run, out):
+    """Draw RUN's loss and tau curves to a PNG."""
+    from dflash.plot import plot as draw
+
+    click.echo(f"wrote {draw(run, out)}")

@@ -43,6 +43,7 @@ def _register():
     main.add_command(train.train)
     main.add_command(export.export)
     main.add_command(export.evaluate)
+    main.add_command(export.plot)
     main.add_command(cache.cache)
     main.add_command(demo.demo)
 

@@ -34,6 +34,8 @@ from dflash_cli.main import user_errors
 @click.option("--seed", type=int, help="Seed of shard order, anchors and init (default 0).")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (default 1000).")
 @click.option("--log-every", type=int, help="Log every N steps (default 10).")
+@click.option("--eval-every", type=int, help="Measure tau on held-out shards every N steps (default: at the end).")
+@click.option("--eval-shards", type=int, help="Held-out shards per evaluation (default 4).")
 @click.option("--device", help="auto (default), cpu, cuda, cuda:N.")
 @click.option("--compile", type=click.Choice(["auto", "yes", "no"]), help="Compile the step (auto: on GPU).")
 @click.option("--ce-chunk", type=int, help="Rows of logits per cross-entropy chunk (default 1024).")

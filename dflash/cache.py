@@ -188,6 +188,18 @@ class Cache:
         """(row_ids [S, D], doc_lens [S, D]) of every shard, committed or not."""
         return self.arrays["row_ids"][:], self.arrays["doc_lens"][:]
 
+    def target_weights(self, device, dtype) -> tuple:
+        """The target's (embed_tokens, lm_head) weights [V, H], saved beside the shards."""
+        from safetensors.torch import load_file
+
+        w = load_file(str(self.path / WEIGHTS_FILE))
+        embed, head = w["embed_tokens.weight"], w["lm_head.weight"]
+        m = self.manifest
+        if embed.shape != (m["vocab_size"], m["hidden_size"]) or head.shape != embed.shape:
+            raise DflashError(f"{self.path / WEIGHTS_FILE}: embeddings {tuple(embed.shape)} / head {tuple(head.shape)} "
+                              f"do not match the manifest (vocab {m['vocab_size']}, hidden {m['hidden_size']})")
+        return embed.to(device, dtype), head.to(device, dtype)
+
     # -- writing (extract) --------------------------------------------------------------------------
 
     def write_shard(self, shard: int, hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,

@@ -140,6 +140,11 @@ class TrainConfig:
     """Checkpoint every N steps (and at the end)."""
     log_every: int = 10
     """Read the loss back from the device and log every N steps."""
+    eval_every: int = 0
+    """Measure tau on (up to `eval_shards` of) the held-out shards every N steps and at the end
+    (0: only at the end; needs --holdout-shards)."""
+    eval_shards: int = 4
+    """Held-out shards used by the evaluations during training."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
     compile: str = "auto"
@@ -154,7 +159,8 @@ class TrainConfig:
     """A shard failing its checksums: `fail` (exit, naming it) or `skip` it."""
 
     # fields that change only how a run executes, not what it computes: free to differ on resume
-    RUNTIME_FIELDS = ("save_every", "log_every", "device", "compile", "prefetch", "follow", "on_corrupt", "ce_chunk")
+    RUNTIME_FIELDS = ("save_every", "log_every", "eval_every", "eval_shards", "device", "compile", "prefetch", "follow",
+                      "on_corrupt", "ce_chunk")
 
     def resolved_gamma(self) -> float:
         from dflash.objective import default_gamma

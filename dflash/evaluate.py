@@ -18,7 +18,6 @@ from dflash.cache import Cache
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.errors import DflashError
 from dflash.objective import dense_mask, layout, sdpa_attention, valid_anchors
-from dflash.train import load_target_weights
 
 
 def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]:
@@ -59,7 +58,7 @@ def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]
     if missing:
         raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
                           f"(it holds {m['layer_ids']})")
-    embed, head = load_target_weights(cache, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    embed, head = cache.target_weights(device, torch.float32 if device.type == "cpu" else torch.bfloat16)
     drafter = Drafter(dcfg, embed, head).to(device)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -70,9 +69,10 @@ def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]
 
 
 @torch.inference_mode()
-def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchors_per_pass: int = 256,
-               head_chunk: int = 1024) -> dict:
-    """tau and per-slot acceptance over every valid anchor of `shards` (cache opened with the drafter's layers)."""
+def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_anchors: int | None = None,
+               anchors_per_pass: int = 256, head_chunk: int = 1024) -> dict:
+    """tau and per-slot acceptance over the valid anchors of `shards` (cache opened with the drafter's
+    layers): all of them, or `max_anchors` per shard evenly spaced."""
     B = drafter.cfg.block_size
     accepted_total = torch.zeros(B - 1, dtype=torch.float64)
     blocks = 0
@@ -85,6 +85,8 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
         T = input_ids.shape[0]
         lay = layout(torch.from_numpy(shard.doc_lens).to(device), T)
         valid = valid_anchors(lay, loss_mask).nonzero()[:, 0]  # eval only: data-dependent shapes are fine
+        if max_anchors is not None and len(valid) > max_anchors:
+            valid = valid[torch.linspace(0, len(valid) - 1, max_anchors, device=device).long()]
         ctx = drafter.context(hidden.to(drafter.fc.weight.dtype))
         k = torch.arange(1, B, device=device)
         for i in range(0, len(valid), anchors_per_pass):

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 import dflash
 from dflash import checkpoint
-from dflash.cache import TARGET_CONFIG_FILE, WEIGHTS_FILE, Cache
+from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.config import TrainConfig
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.errors import DflashError
+from dflash.evaluate import acceptance
 from dflash.loader import ShardLoader, epoch_order
 from dflash.objective import drafter_loss, flops_per_step
 from dflash.target import resolve_device
@@ -60,16 +60,6 @@ def drafter_config(cfg: TrainConfig, cache: Cache) -> DrafterConfig:
         rope_theta=cfg.rope_theta or rope.get("rope_theta") or target.get("rope_theta", 1e6),
         block_size=cfg.block_size, target_layer_ids=list(cache.layer_ids), mask_token_id=int(mask),
         vocab_size=m["vocab_size"], max_position_embeddings=target.get("max_position_embeddings", 40960))
-
-
-def load_target_weights(cache: Cache, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    w = load_file(str(cache.path / WEIGHTS_FILE))
-    embed, head = w["embed_tokens.weight"], w["lm_head.weight"]
-    m = cache.manifest
-    if embed.shape != (m["vocab_size"], m["hidden_size"]) or head.shape != embed.shape:
-        raise DflashError(f"{cache.path / WEIGHTS_FILE}: embeddings {tuple(embed.shape)} / head {tuple(head.shape)} "
-                          f"do not match the manifest (vocab {m['vocab_size']}, hidden {m['hidden_size']})")
-    return embed.to(device, dtype), head.to(device, dtype)
 
 
 def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
@@ -192,7 +182,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
         check_or_write_run_config(run, run_config(cfg, dcfg, cache, holdout), cfg)
     d.barrier()
 
-    embed, head = load_target_weights(cache, device, torch.bfloat16 if cuda else torch.float32)
+    embed, head = cache.target_weights(device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
@@ -218,6 +208,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     loss_fn = torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module
 
     schedule = rank_schedule(train_shards, cfg, d, start, total)
+    holdout = [s for s in holdout if s in set(cache.committed())]
     loader = ShardLoader(cache, schedule, device, cfg.prefetch, cfg.follow, cfg.on_corrupt, log)
     T = cache.token_budget
     flops = flops_per_step(dcfg, T, cfg.num_anchors)
@@ -267,6 +258,12 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                 if d.is_main:
                     checkpoint.save(run, step, drafter, optimizer, {"shards_seen": step * d.world})
                 d.barrier()
+            if holdout and d.is_main and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total):
+                result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device, max_anchors=256)
+                drafter.train()
+                with (run / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": step, "tau": result["tau"], "per_slot": result["per_slot"]}) + "\n")
+                bar.write(f"step {step}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
             if step >= total:
                 break
     finally:
