@@ -27,14 +27,15 @@ def export(run, out):
 @click.option("--cache", required=True, help="A cache of the same target.")
 @click.option("--shards", callback=_int_list, help="Shards to evaluate (default: the run's held-out shards, else all).")
 @click.option("--max-shards", type=int, help="Evaluate at most N of them.")
+@click.option("--max-anchors", type=int, help="At most N anchors per shard, evenly spaced (default: every valid one).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tau, per_slot, ...).")
 @user_errors
-def evaluate(drafter, cache, shards, max_shards, device, as_json):
+def evaluate(drafter, cache, shards, max_shards, max_anchors, device, as_json):
     """Offline acceptance length tau of a drafter against the target's recorded predictions."""
     from dflash.evaluate import evaluate as run
 
-    result = run(drafter, cache, shards, device, max_shards)
+    result = run(drafter, cache, shards, device, max_shards, max_anchors)
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -111,7 +111,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
 
 
 def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None, device: str = "auto",
-             max_shards: int | None = None) -> dict:
+             max_shards: int | None = None, max_anchors: int | None = None) -> dict:
     from dflash.target import resolve_device
 
     dev = resolve_device(device)
@@ -129,4 +129,4 @@ def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None
         raise DflashError(f"--shards {missing[:5]}: not committed in {cache_path}")
     if max_shards is not None:
         shards = shards[:max_shards]
-    return acceptance(drafter, cache, shards, dev)
+    return acceptance(drafter, cache, shards, dev, max_anchors)
