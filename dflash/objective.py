@@ -175,6 +175,7 @@ class StepOutput:
     slot_count: torch.Tensor  # [B-1] trained slots
     anchors: torch.Tensor  # [A]
     anchor_ok: torch.Tensor  # [A]
+    visible_keys: torch.Tensor  # [] keys seen by all block queries together (for FLOP counts)
 
 
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
@@ -203,14 +204,16 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
     total, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), w, ce_chunk)
     weight_sum = w.sum()
     trained = (blocks.weights > 0).view(-1, B - 1)
+    visible = B * (torch.where(anchor_ok, lay.pos[anchors], 0) + B).sum()  # per query: context before p + own block
     return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum,
-                      (correct.view(-1, B - 1) & trained).sum(0), trained.sum(0), anchors, anchor_ok)
+                      (correct.view(-1, B - 1) & trained).sum(0), trained.sum(0), anchors, anchor_ok, visible)
 
 
 def flops_per_step(cfg, T: int, num_anchors: int, visible_keys: float | None = None) -> float:
     """Training FLOPs of one step, counted as issue 3 prescribes (fwd + bwd, frozen head fwd + input grad):
     per layer 6[(Wq+Wo+Wmlp)AB + (Wk+Wv)(AB+T)], + 6 Wfc T, + 4 V H A(B-1), + 12 heads head_dim sum(visible
-    keys). `visible_keys` defaults to a causal context of half the shard per block token."""
+    keys) per layer. `visible_keys` (StepOutput.visible_keys) defaults to half the shard of context per
+    block token, as for one long document."""
     A, B, H = num_anchors, cfg.block_size, cfg.hidden_size
     q_o = 2 * H * cfg.num_attention_heads * cfg.head_dim
     k_v = 2 * H * cfg.num_key_value_heads * cfg.head_dim

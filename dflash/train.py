@@ -140,7 +140,7 @@ class LossModule(torch.nn.Module):
             out = drafter_loss(self.drafter, hidden, input_ids, loss_mask, target_ids, doc_lens,
                                num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
                                attention=self.attention, ce_chunk=self.cfg.ce_chunk)
-        return out.loss, out.weight_sum, out.slot_correct, out.slot_count
+        return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys
 
 
 def compiled_graphs() -> int:
@@ -211,7 +211,6 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     holdout = [s for s in holdout if s in set(cache.committed())]
     loader = ShardLoader(cache, schedule, device, cfg.prefetch, cfg.follow, cfg.on_corrupt, log)
     T = cache.token_budget
-    flops = flops_per_step(dcfg, T, cfg.num_anchors)
     bar = tqdm(total=total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
                dynamic_ncols=True)
     acc = _Accumulator(dcfg.block_size, device)
@@ -225,12 +224,12 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                 optimizer.param_groups[0]["lr"].fill_(lr_at(cfg, step, total))
             else:
                 optimizer.param_groups[0]["lr"] = lr_at(cfg, step, total)
-            loss, wsum, correct, count = loss_fn(**inputs.tensors())
+            loss, wsum, correct, count, visible = loss_fn(**inputs.tensors())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            acc.add(loss, wsum, correct, count)  # clones on the device: graph outputs are reused
+            acc.add(loss, wsum, correct, count, visible)  # sums on the device: graph outputs are reused
             step += 1
             if step == start + 1:
                 if cuda:
@@ -242,11 +241,13 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                 now = time.perf_counter()
                 record = acc.flush(step)  # host sync: every log_every steps only
                 n = record.pop("_steps")
+                visible = record.pop("_visible_keys")
                 dt = now - t_log
                 record.update(lr=lr_at(cfg, step - 1, total), tokens_per_s=n * T * d.world / dt,
                               input_wait=(loader.wait_s - wait_log) / dt, epoch=(step - 1) * d.world // len(train_shards))
                 if cuda:
-                    record["mfu"] = n * flops * d.world / dt / (PEAK_TFLOPS * 1e12 * d.world)
+                    flops = flops_per_step(dcfg, T, cfg.num_anchors, visible)
+                    record["mfu"] = n * flops / dt / (PEAK_TFLOPS * 1e12)
                     compiles_after_first = compiled_graphs() - graphs_after_first
                     record["recompiles"] = compiles_after_first
                 t_log, wait_log = now, loader.wait_s
@@ -284,19 +285,23 @@ class _Accumulator:
 
     def reset(self):
         z = lambda *s: torch.zeros(*s, device=self.device)  # noqa: E731
-        self.loss, self.wsum, self.correct, self.count, self.steps = z(()), z(()), z(self.B - 1), z(self.B - 1), 0
+        self.loss, self.wsum, self.visible = z(()), z(()), z(())
+        self.correct, self.count, self.steps = z(self.B - 1), z(self.B - 1), 0
 
-    def add(self, loss, wsum, correct, count):
+    def add(self, loss, wsum, correct, count, visible):
         self.loss += loss.detach() * wsum.detach()
         self.wsum += wsum.detach()
         self.correct += correct
         self.count += count
+        self.visible += visible
         self.steps += 1
 
     def flush(self, step: int) -> dict:
         loss = (self.loss / self.wsum.clamp(min=1e-6)).item()
         acc = (self.correct / self.count.clamp(min=1)).tolist()
-        out = {"step": step, "loss": loss, "slot_acc": [round(a, 4) for a in acc], "_steps": self.steps}
+        out = {"step": step, "loss": loss, "slot_acc": [round(a, 4) for a in acc], "_steps": self.steps,
+               "trained_slots_per_step": self.count.sum().item() / self.steps,  # useful draft tokens
+               "_visible_keys": self.visible.item() / self.steps}
         self.reset()
         return out
 

@@ -225,3 +225,14 @@ def test_follow_trains_on_shards_as_they_are_committed(tmp_path, tiny_cache):
     assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
     steps = [m["step"] for m in metrics(tmp_path / "run") if "loss" in m]
     assert steps[-1] == len(records)
+
+
+def test_eval_refuses_a_drafter_of_another_target(trained_run, tmp_path):
+    from conftest import extract_args, sample_rows, tiny_qwen3_next, write_jsonl
+
+    target = tiny_qwen3_next(tmp_path / "other-target")  # hidden 64, not the tiny target's 128
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(4, 0))
+    other = tmp_path / "other-cache"
+    assert run_in_process(extract_args(data, other, target=target, layers="0,1,2")).exit_code == 0
+    out = run_in_process(["eval", "--drafter", str(trained_run), "--cache", str(other), "--device", "cpu"])
+    assert out.exit_code == 1 and "do not match the cache's target (hidden 64" in out.output

@@ -1,0 +1,159 @@
+"""Stage-two benchmark on one GPU (issue 3; results go to bench/RESULTS.md).
+
+The Qwen3-8B drafter shape (5 layers, hidden 4096, GQA 32/8, head 128, MLP 12288, vocab 151936, B 16)
+trained through the real loader and `dflash.train.train` on synthetic caches written with the real
+cache code:
+  a. shards of T = 12288 (4 x 3072-token documents), 2048 anchors;
+  b. shards of T = 3072 (one document), 512 anchors;
+  c. chat-like rows (lognormal length, median 700, sigma 0.8, clipped to [64, 3072], the first 15-35 %
+     an unsupervised prompt) packed into T = 12288 shards, 2048 anchors: useful draft tokens/s.
+Each compiled (reduce-overhead) for `--steps` steps, plus a few eager steps of a and b for the ratio.
+Step time, context tokens/s, MFU (FLOPs counted as the issue prescribes, with the real visible-key
+count), first-step time, recompiles, peak memory, input wait.
+
+    python bench/train.py --out $OUT --work /tmp/bench-train
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dflash import cache as cachelib  # noqa: E402
+from dflash.config import TrainConfig  # noqa: E402
+from dflash.packing import plan_shards  # noqa: E402
+from dflash.train import train  # noqa: E402
+
+QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 12288, "vocab_size": 151936, "num_hidden_layers": 36, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "model_type": "qwen3",
+            "dflash_mask_token_id": 151669}
+LAYERS = [1, 9, 17, 25, 33]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarray], T: int, D: int, dims: dict,
+                    device: str) -> None:
+    """A cache with random states (unit-variance bf16) and random tokens, written by the real cache code."""
+    H, V, L = dims["hidden_size"], dims["vocab_size"], len(LAYERS)
+    plan = plan_shards(np.arange(len(doc_lens)), doc_lens, T, D)
+    manifest = {"format_version": cachelib.FORMAT_VERSION, "cache_key": f"bench-{T}-{len(doc_lens)}",
+                "layer_ids": LAYERS, "hidden_size": H, "vocab_size": V, "token_budget": T, "max_docs": D,
+                "num_shards": plan.num_shards, "pad_id": 0, "storage_dtype": "bfloat16", "compute_dtype": "bfloat16",
+                "dflash_version": "bench", "target": {"name": "synthetic Qwen3-8B", "path": "", "model_type": "qwen3",
+                                                      "num_layers": dims["num_hidden_layers"]},
+                "stats": {"rows": len(doc_lens), "docs": len(doc_lens), "tokens": int(doc_lens.sum()),
+                          "loss_tokens": int(sum(m.sum() for m in loss_masks)), "truncated": 0, "dropped": {}}}
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = {"embed_tokens.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu(),
+               "lm_head.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu()}
+    e = np.zeros(0, np.int64)
+    cachelib.create_cache(path, manifest, plan, e, np.zeros(0, np.uint8), e, weights, dims)
+    cache = cachelib.Cache(path, mode="r+")
+    rng = np.random.default_rng(0)
+    for s in range(plan.num_shards):
+        hidden = torch.randn(L, T, H, generator=g, device=device).bfloat16().cpu().view(torch.int16).numpy().view(np.uint16)
+        ids = rng.integers(1, V, T, dtype=np.int32)
+        mask = np.zeros(T, np.uint8)
+        o = 0
+        for r, n in zip(plan.row_ids[s], plan.doc_lens[s]):
+            if r >= 0:
+                mask[o:o + n] = loss_masks[r]
+                o += n
+        ids[o:] = 0
+        hidden[:, o:] = 0
+        cache.write_shard(s, hidden, ids, mask, rng.integers(1, V, T, dtype=np.int32))
+
+
+def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: str, log_every: int,
+        device: str = "cuda") -> dict:
+    out = work / f"run-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TrainConfig(cache=str(cache), out=str(out), num_layers=5, num_anchors=anchors, block_size=16,
+                      max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
+                      holdout_shards=0, epochs=1000, device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    stats = train(cfg, log=log)
+    wall = time.perf_counter() - t0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    steady = lines[1:] or lines  # the first interval holds the compile
+    tok_s = float(np.mean([x["tokens_per_s"] for x in steady]))
+    T = cachelib.read_manifest(cache)["token_budget"]
+    res = {"name": name, "steps": stats["steps"], "first_step_s": stats["first_step_s"],
+           "recompiles": stats["recompiles"], "step_ms": 1e3 * T / tok_s, "context_tokens_per_s": tok_s,
+           "mfu": float(np.mean([x.get("mfu", 0) for x in steady])),
+           "input_wait": float(np.mean([x["input_wait"] for x in steady])),
+           "useful_draft_tokens_per_s": float(np.mean([x["trained_slots_per_step"] for x in steady])) * tok_s / T,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, "wall_s": wall,
+           "final_loss": lines[-1]["loss"]}
+    shutil.rmtree(out, ignore_errors=True)
+    log(json.dumps(res))
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/bench-train")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--eager-steps", type=int, default=6)
+    p.add_argument("--smoke", action="store_true", help="toy widths, to check this script on a CPU")
+    args = p.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    dims = dict(QWEN3_8B)
+    device = "cuda"
+    if args.smoke:
+        dims.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                    vocab_size=512, dflash_mask_token_id=511)
+        device = "cpu"
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    n_long = 4 * 6  # 6 shards of 4 x 3072
+    synthetic_cache(work / "c12288", np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8, dims, device)
+    synthetic_cache(work / "c3072", np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1, dims, device)
+    lens = np.clip(rng.lognormal(np.log(700), 0.8, 140), 64, 3072).astype(np.int64)
+    masks = []
+    for n in lens:
+        m = np.ones(n, np.uint8)
+        m[: int(n * rng.uniform(0.15, 0.35))] = 0
+        masks.append(m)
+    synthetic_cache(work / "cchat", lens, masks, 12288, 64, dims, device)
+    log(f"synthetic caches written in {time.perf_counter() - t0:.0f}s")
+    if args.smoke:  # the run path too, eagerly on the CPU
+        run("smoke", work / "cchat", work, 64, 6, "no", 2, device="cpu")
+        return
+    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res["a_T12288"] = run("a", work / "c12288", work, 2048, args.steps, "yes", 5)
+    res["b_T3072"] = run("b", work / "c3072", work, 512, args.steps, "yes", 5)
+    res["c_chat"] = run("c", work / "cchat", work, 2048, args.steps, "yes", 5)
+    res["a_eager"] = run("a-eager", work / "c12288", work, 2048, args.eager_steps, "no", 2)
+    res["b_eager"] = run("b-eager", work / "c3072", work, 512, args.eager_steps, "no", 2)
+    (out / "results_train.json").write_text(json.dumps(res, indent=2))
+    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | peak GB | input wait | useful draft tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k in ("a_T12288", "b_T3072", "c_chat", "a_eager", "b_eager"):
+        r = res[k]
+        print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['first_step_s']:.1f} | "
+              f"{r['recompiles']} | {r['peak_mem_gb']:.1f} | {r['input_wait']:.1%} | {r['useful_draft_tokens_per_s']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
