@@ -199,7 +199,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if start >= total:
         log(f"{run}: already trained for {start} steps: nothing to do")
         return {"steps": start, "resumed_at": start}
-    truncate_metrics(run / "metrics.jsonl", start) if d.is_main else None
+    if d.is_main:
+        truncate_metrics(run / "metrics.jsonl", start)
 
     module = LossModule(drafter, cfg, "flex" if cuda else "sdpa", autocast=cuda)
     if d.world > 1:
@@ -208,7 +209,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     loss_fn = torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module
 
     schedule = rank_schedule(train_shards, cfg, d, start, total)
-    holdout = [s for s in holdout if s in set(cache.committed())]
+    committed = set(cache.committed())
+    holdout = [s for s in holdout if s in committed]
     loader = ShardLoader(cache, schedule, device, cfg.prefetch, cfg.follow, cfg.on_corrupt, log)
     T = cache.token_budget
     bar = tqdm(total=total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
