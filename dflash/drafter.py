@@ -93,16 +93,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, attend) -> torch.Tensor:
-        """x: block states [N, H]; ctx: context [T, H]; rope_q: tables for the N block positions;
-        rope_kv: for the T + N key positions; attend(q, k, v) -> [1, n_q, N, D]."""
-        N, T, D = x.shape[0], ctx.shape[0], self.head_dim
-        kv_in = torch.cat([ctx, x], dim=0)  # [T+N, H]: KV injection
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values of states x [n, H] at positions with RoPE tables cos, sin:
+        ([n_kv, n, D], [n_kv, n, D]). Per token, so context keys can be computed once and cached."""
+        n, D = x.shape[0], self.head_dim
+        k = self.k_norm(self.k_proj(x).view(n, self.n_kv, D)).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.n_kv, D).transpose(0, 1)
+        return rope(k, cos, sin).to(x.dtype), v
+
+    def forward(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], rope_q, attend) -> torch.Tensor:
+        """x: block states [N, H]; ctx_kv: this layer's keys/values of the context (KV injection);
+        rope_q: tables for the N block positions; attend(q, k, v) -> [1, n_q, N, D] over [ctx ; block]."""
+        N, D = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(N, self.n_q, D)).transpose(0, 1)  # [n_q, N, D]
-        k = self.k_norm(self.k_proj(kv_in).view(T + N, self.n_kv, D)).transpose(0, 1)  # [n_kv, T+N, D]
-        v = self.v_proj(kv_in).view(T + N, self.n_kv, D).transpose(0, 1)
         q = rope(q, *rope_q).to(x.dtype)
-        k = rope(k, *rope_kv).to(x.dtype)
+        k_blk, v_blk = self.kv(x, *rope_q)
+        k = torch.cat([ctx_kv[0], k_blk], dim=1)  # [n_kv, T+N, D]
+        v = torch.cat([ctx_kv[1], v_blk], dim=1)
         out = attend(q[None], k[None], v[None])  # [1, n_q, N, D]
         return self.o_proj(out[0].transpose(0, 1).reshape(N, self.n_q * D))
 
@@ -126,8 +133,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend)
+    def forward(self, x, ctx_kv, rope_q, attend):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -164,17 +171,24 @@ class Drafter(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_weight)
 
+    def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values of context features ctx [T, H] at positions ctx_pos [T]."""
+        rope_ctx = rope_tables(ctx_pos, self.cfg.head_dim, self.cfg.rope_theta)
+        return [layer.self_attn.kv(ctx, *rope_ctx) for layer in self.layers]
+
     def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                attend) -> torch.Tensor:
+                attend, ctx_kv: list | None = None) -> torch.Tensor:
         """Final normed states of the block tokens [N, H].
 
-        ctx [T, H] and ctx_pos [T]: context features and their positions; block_ids, block_pos [N]:
+        ctx [T, H] and ctx_pos [T]: context features and their positions (or their per-layer keys and
+        values, `ctx_kv`, as `context_kv` makes them: what decoding caches); block_ids, block_pos [N]:
         the block tokens (anchor, MASK, ...) and their positions; attend(q, k, v): attention with the
         mask that says which of the T + N keys each of the N queries sees."""
         cfg = self.cfg
-        x = self.embed(block_ids).to(ctx.dtype)  # [N, H]
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(ctx, ctx_pos)
+        x = self.embed(block_ids).to(ctx_kv[0][0].dtype)  # [N, H]
         rope_q = rope_tables(block_pos, cfg.head_dim, cfg.rope_theta)
-        rope_kv = rope_tables(torch.cat([ctx_pos, block_pos]), cfg.head_dim, cfg.rope_theta)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, attend)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, kv, rope_q, attend)
         return self.norm(x)
