@@ -44,6 +44,7 @@ def _register():
     main.add_command(export.export)
     main.add_command(export.evaluate)
     main.add_command(export.plot)
+    main.add_command(export.spec)
     main.add_command(cache.cache)
     main.add_command(demo.demo)
 

@@ -20,9 +20,11 @@ from dflash.errors import DflashError
 from dflash.objective import dense_mask, layout, sdpa_attention, valid_anchors
 
 
-def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]:
-    """A drafter from a training run folder (latest checkpoint) or an exported HF folder, with the
-    cache's target embeddings and head. Returns (drafter, info) where info may name held-out shards."""
+def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, available_layers: list[int] | None = None,
+                 device="cpu") -> tuple[Drafter, dict]:
+    """A drafter from a training run folder (latest checkpoint) or an exported HF folder, on the
+    target's embeddings and head [V, H] (from a cache or from the target itself). Returns (drafter,
+    info); info names a run's held-out shards and cache key."""
     path = Path(path)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -36,36 +38,38 @@ def load_drafter(path: str | Path, cache: Cache, device) -> tuple[Drafter, dict]
         weights = checkpoint.load_weights(ckpt)
         info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
     else:  # an export
-        d = config.get("dflash_config") or {}
-        if "target_layer_ids" not in d:
-            raise DflashError(f"--drafter {path}: config.json has no dflash_config (not a DFlash drafter)")
-        dcfg = DrafterConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-                             intermediate_size=config["intermediate_size"],
-                             num_attention_heads=config["num_attention_heads"],
-                             num_key_value_heads=config["num_key_value_heads"],
-                             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                             rms_norm_eps=config["rms_norm_eps"], rope_theta=config.get("rope_theta", 1e6),
-                             block_size=config["block_size"], target_layer_ids=d["target_layer_ids"],
-                             mask_token_id=d["mask_token_id"], vocab_size=config["vocab_size"],
-                             max_position_embeddings=config.get("max_position_embeddings", 40960))
+        dcfg = drafter_config_from_export(config, path)
         weights = load_file(str(path / "model.safetensors"))
         info = {"holdout_shards": [], "cache_key": None}
-    m = cache.manifest
-    if dcfg.hidden_size != m["hidden_size"] or dcfg.vocab_size != m["vocab_size"]:
+    vocab, hidden = embed.shape
+    if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
         raise DflashError(f"--drafter {path}: hidden {dcfg.hidden_size} / vocab {dcfg.vocab_size} do not match the "
-                          f"cache's target (hidden {m['hidden_size']}, vocab {m['vocab_size']})")
-    missing = [i for i in dcfg.target_layer_ids if i not in m["layer_ids"]]
+                          f"cache's target (hidden {hidden}, vocab {vocab})")
+    missing = [i for i in dcfg.target_layer_ids if available_layers is not None and i not in available_layers]
     if missing:
         raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
-                          f"(it holds {m['layer_ids']})")
-    embed, head = cache.target_weights(device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+                          f"(it holds {available_layers})")
     drafter = Drafter(dcfg, embed, head).to(device)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name not in weights:
                 raise DflashError(f"--drafter {path}: weights lack {name}")
             p.copy_(weights[name].float())
-    return drafter.eval(), info
+    return drafter.to(embed.dtype).eval(), info
+
+
+def drafter_config_from_export(config: dict, path) -> DrafterConfig:
+    d = config.get("dflash_config") or {}
+    if "target_layer_ids" not in d:
+        raise DflashError(f"--drafter {path}: config.json has no dflash_config (not a DFlash drafter)")
+    return DrafterConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                         intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+                         num_key_value_heads=config["num_key_value_heads"],
+                         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                         rms_norm_eps=config["rms_norm_eps"], rope_theta=config.get("rope_theta", 1e6),
+                         block_size=config["block_size"], target_layer_ids=d["target_layer_ids"],
+                         mask_token_id=d["mask_token_id"], vocab_size=config["vocab_size"],
+                         max_position_embeddings=config.get("max_position_embeddings", 40960))
 
 
 @torch.inference_mode()
@@ -116,7 +120,8 @@ def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None
 
     dev = resolve_device(device)
     probe = Cache(cache_path)
-    drafter, info = load_drafter(drafter_path, probe, dev)
+    embed, head = probe.target_weights(dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    drafter, info = load_drafter(drafter_path, embed, head, probe.manifest["layer_ids"], dev)
     cache = Cache(cache_path, layers=drafter.cfg.target_layer_ids)
     committed = set(cache.committed())
     if shards is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 from pathlib import Path
@@ -145,6 +146,8 @@ class Target:
         self.backbone = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.greedy_chunk = greedy_chunk
+        # transformers renamed `past_key_values` to `cache` (5.2x); take whichever the model has
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.backbone.forward).parameters else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_layers(model, self.num_layers)
         for i in self.layer_ids:
@@ -157,14 +160,15 @@ class Target:
         return hook
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, cache=None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Captured layers ([b, n, H] each, in `layer_ids` order) and the final normed hidden [b, n, H].
 
         Rows are right-padded and no attention mask is passed: in a causal LM a token never sees the
         positions after it, so each document's states are exactly those it gets alone, and SDPA keeps
-        its fast causal kernel."""
+        its fast causal kernel. `cache`: a Hugging Face KV cache to continue from (decoding)."""
         self._captured.clear()
-        last = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+        kwargs = {self._cache_arg: cache} if cache is not None else {}
+        last = self.backbone(input_ids=input_ids, use_cache=cache is not None, **kwargs).last_hidden_state
         self._captured[self.num_layers - 1] = last
         hidden = [self._captured[i] for i in self.layer_ids]
         self._captured.clear()
@@ -194,7 +198,9 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
                 attn_implementation: str | None = None):
     """(model, tokenizer): the model frozen in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # dflash draws its own progress; keep stdout/stderr clean
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,182 @@
+"""`dflash spec`: greedy speculative decoding with a Hugging Face target and a DFlash drafter.
+
+A cycle: the drafter fills a block [bonus, MASK x (B-1)] in one forward, conditioned on the target's
+captured states of every token so far (its per-layer context keys/values are cached); the target
+verifies the block in one forward; the drafted tokens are kept while they equal the target's own
+greedy choices, and the target's next choice is the new bonus token. The output must equal the
+target's plain greedy decoding: `lossless` checks it prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dflash.drafter import Drafter
+from dflash.errors import DflashError
+from dflash.target import Target
+
+
+def _no_mask(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the block sees all context and itself
+
+
+def _argmax_head(target: Target, h: torch.Tensor) -> torch.Tensor:
+    return target.head(h).argmax(-1)
+
+
+def _new_cache(target: Target):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.model.config)
+    if not getattr(cache, "is_croppable", True):
+        raise DflashError("speculative decoding rewinds the target's cache after a rejection; this target's "
+                          "cache (linear attention / sliding window) cannot be rewound")
+    return cache
+
+
+def _rewind(cache, keep: int) -> None:
+    """Cut the cache back to its first `keep` positions. A negative argument removes that many tokens
+    in every transformers 5 release (the positive one changed meaning)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
+@torch.inference_mode()
+def target_greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """The target alone: one token per forward, with a KV cache."""
+    device = target.head.weight.device
+    cache = _new_cache(target)
+    _, last = target.forward(torch.tensor([prompt], device=device), cache)
+    out = [int(_argmax_head(target, last[0, -1]))]
+    while len(out) < max_new and out[-1] not in eos:
+        _, last = target.forward(torch.tensor([[out[-1]]], device=device), cache)
+        out.append(int(_argmax_head(target, last[0, -1])))
+    return out
+
+
+@torch.inference_mode()
+def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_new: int,
+                       eos: set[int]) -> tuple[list[int], list[int]]:
+    """(tokens, accepted draft tokens per cycle)."""
+    cfg = drafter.cfg
+    B, device = cfg.block_size, target.head.weight.device
+    cache = _new_cache(target)
+    hidden, last = target.forward(torch.tensor([prompt], device=device), cache)
+    n = len(prompt)
+    ctx_kv = drafter.context_kv(drafter.context(torch.stack(hidden, 2)[0]), torch.arange(n, device=device))
+    bonus = int(_argmax_head(target, last[0, -1]))
+    out, accepted = [bonus], []
+    mask_block = torch.full((B,), cfg.mask_token_id, device=device)
+    while len(out) < max_new and out[-1] not in eos:
+        block = mask_block.clone()
+        block[0] = bonus
+        h = drafter(None, None, block, torch.arange(n, n + B, device=device), _no_mask, ctx_kv=ctx_kv)
+        draft = _argmax_head(target, h[1:].to(target.head.weight.dtype))  # [B-1]
+        hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache)  # verify positions n..n+B-1
+        choice = _argmax_head(target, last[0])  # [B]: the target's token after each verified position
+        a = int((draft == choice[:-1]).long().cumprod(0).sum())
+        new_tokens = draft[:a].tolist() + [int(choice[a])]
+        out += new_tokens
+        accepted.append(a)
+        if eos.intersection(new_tokens):
+            break
+        _rewind(cache, n + a + 1)  # keep the bonus and the accepted tokens
+        new = drafter.context(torch.stack(hidden, 2)[0, : a + 1])
+        kv = drafter.context_kv(new, torch.arange(n, n + a + 1, device=device))
+        ctx_kv = [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1)) for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
+        n, bonus = n + a + 1, int(choice[a])
+    return _cut(out, max_new, eos), accepted
+
+
+def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Prompts from JSONL: `messages` rows (up to the last user turn, with the generation prompt) or
+    `prompt` / `text` rows (raw text)."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DflashError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if "messages" in row:
+                msgs = row["messages"]
+                last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+                if last_user is None:
+                    raise DflashError(f"{path}:{lineno}: a prompt needs a user turn")
+                text = tokenizer.apply_chat_template(msgs[: last_user + 1], tokenize=False, add_generation_prompt=True)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            elif isinstance(row.get("prompt", row.get("text")), str):
+                ids = tokenizer(row.get("prompt", row.get("text")))["input_ids"]
+            else:
+                raise DflashError(f"{path}:{lineno}: row has neither 'messages' nor 'prompt'/'text'")
+            prompts.append(ids)
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise DflashError(f"{path}: no prompts")
+    return prompts
+
+
+def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: int = 128, limit: int | None = None,
+             device: str = "auto", dtype: str = "auto", log=print) -> dict:
+    from dflash.evaluate import load_drafter
+    from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
+
+    dev = resolve_device(device)
+    model, tokenizer = load_target(resolve_target(target_name), dev, resolve_dtype(dtype, dev))
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    drafter, _ = load_drafter(drafter_path, embed, head, device=dev)
+    target = Target(model, drafter.cfg.target_layer_ids)
+    eos = eos_ids(model, tokenizer)
+    prompts = read_prompts(prompts_path, tokenizer, limit)
+    speculative_greedy(target, drafter, prompts[0][:8], 4, eos)  # warm-up
+    target_greedy(target, prompts[0][:8], 4, eos)
+    t_spec = t_base = 0.0
+    n_spec = n_base = 0
+    accepted, mismatches = [], []
+    for i, prompt in enumerate(prompts):
+        _sync(dev)
+        t0 = time.perf_counter()
+        spec, acc = speculative_greedy(target, drafter, prompt, max_new, eos)
+        _sync(dev)
+        t1 = time.perf_counter()
+        base = target_greedy(target, prompt, max_new, eos)
+        _sync(dev)
+        t2 = time.perf_counter()
+        t_spec, t_base, n_spec, n_base = t_spec + t1 - t0, t_base + t2 - t1, n_spec + len(spec), n_base + len(base)
+        accepted += acc
+        if spec != base:
+            mismatches.append(i)
+    B = drafter.cfg.block_size
+    per_position = [sum(a >= k for a in accepted) / max(len(accepted), 1) for k in range(1, B)]
+    return {"tau": sum(a + 1 for a in accepted) / max(len(accepted), 1), "lossless": not mismatches,
+              "speedup": (n_spec / t_spec) / (n_base / t_base), "per_position": per_position,
+              "spec_tokens_per_s": n_spec / t_spec, "target_tokens_per_s": n_base / t_base,
+              "prompts": len(prompts), "new_tokens": n_spec, "cycles": len(accepted), "mismatched_prompts": mismatches,
+              "block_size": B}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()

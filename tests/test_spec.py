@@ -1,0 +1,92 @@
+"""Speculative decoding: the output is the target's own greedy output whatever the drafter proposes, and
+tau counts exactly the accepted tokens (checked with stub drafters that know the answer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import SAMPLE_CHAT, TINY_TARGET, run_in_process, write_jsonl
+from dflash.drafter import DrafterConfig
+from dflash.spec import read_prompts, speculative_greedy, target_greedy
+from dflash.target import Target
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    return Target(model, [1, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    return read_prompts(str(SAMPLE_CHAT), tok, limit=3)
+
+
+class OracleDrafter:
+    """Proposes the target's true greedy continuation for the first `right` slots of every block and a
+    wrong token after that: its states are scaled rows of the LM head, whose argmax is that row."""
+
+    def __init__(self, target: Target, prompt: list[int], answer: list[int], right: int):
+        self.cfg = DrafterConfig(block_size=B, mask_token_id=3, target_layer_ids=[1, 2, 3], hidden_size=128)
+        self.W, self.start, self.answer, self.right = target.head.weight, len(prompt), answer, right
+
+    def context(self, feats):
+        return feats[:, 0]
+
+    def context_kv(self, ctx, pos):
+        return [(ctx[None], ctx[None])]
+
+    def __call__(self, ctx, ctx_pos, block, block_pos, attend, ctx_kv):
+        rows = []
+        for k, p in enumerate(block_pos.tolist()):
+            i = p - self.start  # the answer's token at position p (slot 0, the anchor, is never read)
+            good = i < len(self.answer) and k <= self.right
+            token = self.answer[i] if good else (self.answer[min(i, len(self.answer) - 1)] + 1) % 4000
+            rows.append(self.W[token] * 50)
+        return torch.stack(rows)
+
+
+def test_lm_head_rows_decode_to_themselves(target):
+    W = target.head.weight
+    assert torch.equal(target.head(W[:50] * 50).argmax(-1), torch.arange(50))  # what OracleDrafter relies on
+
+
+@pytest.mark.parametrize("right", [0, 3, B - 1])
+def test_output_is_lossless_and_tau_counts_accepted_tokens(target, prompts, right):
+    eos = {2}
+    for prompt in prompts:
+        answer = target_greedy(target, prompt, 40, eos)
+        drafter = OracleDrafter(target, prompt, answer, right)  # answer[i] is the token at len(prompt) + i
+        tokens, accepted = speculative_greedy(target, drafter, prompt, 40, eos)
+        assert tokens == answer
+        assert all(a == right for a in accepted[:-1]), accepted  # the last cycle may run into the token limit
+        assert len(accepted) == -(-(len(answer) - 1) // (right + 1))  # cycles needed to emit the rest
+
+
+def test_spec_cli_reports_tau_lossless_and_speedup(tmp_path):
+    run = tmp_path / "run"
+    from conftest import REPO
+
+    preset = str(REPO / "configs" / "tiny.toml")
+    cache = tmp_path / "cache"
+    assert run_in_process(["extract", "--config", preset, "--out", str(cache), "--device", "cpu",
+                           "--limit", "40"]).exit_code == 0
+    assert run_in_process(["train", "--config", preset, "--cache", str(cache), "--out", str(run), "--device", "cpu",
+                           "--max-steps", "3", "--holdout-shards", "0"]).exit_code == 0
+    export = tmp_path / "export"
+    assert run_in_process(["export", str(run), "--out", str(export)]).exit_code == 0
+    rows = [json.loads(x) for x in SAMPLE_CHAT.read_text().splitlines()[-4:]]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": r["messages"][:-1]} for r in rows])
+    out = run_in_process(["spec", "--target", str(TINY_TARGET), "--drafter", str(export), "--prompts", str(prompts),
+                          "--max-new-tokens", "24", "--device", "cpu", "--json"])
+    assert out.exit_code == 0, out.output
+    r = json.loads(out.output.strip().splitlines()[-1])
+    assert r["lossless"] is True and r["prompts"] == 4 and 1.0 <= r["tau"] <= 16
+    assert len(r["per_position"]) == 15 and r["speedup"] > 0
