@@ -37,7 +37,7 @@ def main():
 
 
 def _register():
-    from dflash_cli import cache, demo, export, extract, train
+    from dflash_cli import cache, demo, export, extract, regenerate, train
 
     main.add_command(extract.extract)
     main.add_command(train.train)
@@ -45,6 +45,7 @@ def _register():
     main.add_command(export.evaluate)
     main.add_command(export.plot)
     main.add_command(export.spec)
+    main.add_command(regenerate.regenerate)
     main.add_command(cache.cache)
     main.add_command(demo.demo)
 

@@ -1,0 +1,175 @@
+"""`dflash regenerate`: rewrite a dataset's responses with the target's own generations.
+
+Drafters are trained on what the target itself would say, because that is what acceptance is measured
+against. `messages` rows keep every turn before their last assistant turn and get a new last assistant
+turn; `text` rows keep their first `prompt_tokens` tokens and get the target's continuation.
+
+Output is JSONL in input order, written a chunk at a time; the same command resumes an interrupted run
+(the settings are kept in OUT.meta.json and must match).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dflash.data import Row, file_fingerprints, read_rows
+from dflash.errors import DflashError
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    target: str
+    """The Hugging Face target (folder or hub id)."""
+    data: list[str]
+    """Input JSONL/Parquet files."""
+    out: str
+    """Output JSONL (plus OUT.meta.json)."""
+    max_new_tokens: int = 512
+    """Longest generated response."""
+    temperature: float = 0.0
+    """0: greedy; otherwise sampling at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling (with temperature > 0)."""
+    prompt_tokens: int = 32
+    """Tokens of a `text` row kept as the prompt of its continuation."""
+    batch_size: int = 16
+    """Prompts generated together."""
+    seed: int = 0
+    """Sampling seed (each chunk reseeds from it, so a resumed run samples the same)."""
+    limit: int | None = None
+    """Only the first N rows."""
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | None]:
+    """(prompt token ids, the kept messages of a chat row, or None for a text row)."""
+    rec = row.record
+    if "messages" in rec:
+        msgs = rec["messages"]
+        end = len(msgs) - 1 if msgs and msgs[-1]["role"] == "assistant" else len(msgs)
+        kept = msgs[:end]
+        if not any(m["role"] == "user" for m in kept):
+            raise DflashError(f"{row.where}: no user turn to answer")
+        text = tok.apply_chat_template(kept, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"], kept
+    ids = tok(rec["text"])["input_ids"][:prompt_tokens]
+    if not ids:
+        raise DflashError(f"{row.where}: empty text, nothing to continue")
+    return ids, None
+
+
+def _settings(cfg: RegenerateConfig, target_path) -> dict:
+    from dflash.target import config_hash, weights_fingerprint
+    from transformers import AutoConfig
+
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "batch_size", "data", "target")}
+    return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
+            "target_weights": weights_fingerprint(target_path), "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
+
+
+def _resume_point(out: Path, meta: Path, settings: dict) -> int:
+    """Rows already written (a torn last line is cut off); refuses other settings."""
+    if not out.exists():
+        if meta.exists():
+            meta.unlink()
+        return 0
+    if not meta.exists():
+        raise DflashError(f"--out {out} exists and was not written by dflash regenerate (no {meta.name})")
+    old = json.loads(meta.read_text())
+    diffs = [k for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+    if diffs:
+        raise DflashError(f"--out {out} was generated with other settings ({', '.join(diffs)}); use another --out")
+    data = out.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with out.open("r+b") as f:  # a crash mid-line: drop the partial row
+            f.truncate(len(whole))
+    return whole.count(b"\n")
+
+
+def regenerate(cfg: RegenerateConfig, log=print) -> dict:
+    from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
+
+    out, meta = Path(cfg.out), Path(cfg.out + ".meta.json")
+    target_path = resolve_target(cfg.target)
+    settings = _settings(cfg, target_path)
+    done = _resume_point(out, meta, settings)
+    rows = list(read_rows(cfg.data, cfg.limit))
+    if not rows:
+        raise DflashError(f"--data {', '.join(cfg.data)}: no rows")
+    if done >= len(rows):
+        log(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
+        return {"rows": len(rows), "written": 0}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(settings, indent=2))
+    device = resolve_device(cfg.device)
+    model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device))
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    if done:
+        log(f"resuming {out} at row {done} of {len(rows)}")
+    bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
+    chunk = cfg.batch_size * 8  # rows sorted by prompt length within a chunk, written in order after it
+    tokens = 0
+    with out.open("a", encoding="utf-8") as f:
+        for start in range(done, len(rows), chunk):
+            part = rows[start : start + chunk]
+            prompts = [_prompt(r, tok, cfg.prompt_tokens) for r in part]
+            order = sorted(range(len(part)), key=lambda i: -len(prompts[i][0]))
+            gens: dict[int, list[int]] = {}
+            torch.manual_seed(cfg.seed + start)  # sampling is reproducible chunk by chunk
+            for b in range(0, len(order), cfg.batch_size):
+                idx = order[b : b + cfg.batch_size]
+                width = max(len(prompts[i][0]) for i in idx)
+                ids = torch.full((len(idx), width), pad, dtype=torch.long)
+                att = torch.zeros_like(ids)
+                for j, i in enumerate(idx):
+                    p = prompts[i][0]
+                    ids[j, width - len(p):] = torch.tensor(p)
+                    att[j, width - len(p):] = 1
+                sample = cfg.temperature > 0
+                with torch.inference_mode():
+                    res = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                         max_new_tokens=cfg.max_new_tokens, do_sample=sample,
+                                         temperature=cfg.temperature if sample else None,
+                                         top_p=cfg.top_p if sample else None, top_k=None,
+                                         pad_token_id=pad, eos_token_id=eos)
+                for j, i in enumerate(idx):
+                    gens[i] = _until_eos(res[j, width:].tolist(), eos, pad)
+            for i, row in enumerate(part):
+                new = _rewrite(row, prompts[i], gens[i], tok)
+                tokens += len(gens[i])
+                f.write(json.dumps(new, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(part))
+    bar.close()
+    log(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
+    return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens}
+
+
+def _until_eos(ids: list[int], eos, pad) -> list[int]:
+    stops = set(eos if isinstance(eos, list) else [eos])
+    for k, t in enumerate(ids):
+        if t in stops:
+            return ids[: k + 1]
+    return ids
+
+
+def _rewrite(row: Row, prompt, gen: list[int], tok) -> dict:
+    ids, kept = prompt
+    rec = dict(row.record)
+    if kept is not None:
+        rec["messages"] = kept + [{"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)}]
+    else:
+        rec["text"] = tok.decode(ids + gen, skip_special_tokens=True)
+    rec["dflash_row"] = row.row_id
+    return rec
