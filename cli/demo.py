@@ -3,6 +3,7 @@ cache, train a drafter on it, measure its offline acceptance length."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -15,15 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 @click.command()
 @click.option("--out", default="runs/demo", show_default=True, help="Folder for the demo's cache and run.")
 @click.option("--steps", default=120, show_default=True, help="Training steps.")
+@click.option("--prompts", default=8, show_default=True, help="Chat prompts decoded speculatively at the end.")
 @click.option("--device", default="cpu", show_default=True)
 @user_errors
-def demo(out, steps, device):
-    """Extract -> train -> eval on the tiny embedded target and the sample data."""
+def demo(out, steps, prompts, device):
+    """Extract -> train -> eval -> export -> speculative decoding on the tiny embedded target."""
     from dflash.cache import info
     from dflash.config import ExtractConfig, TrainConfig, build_config
     from dflash.errors import DflashError
     from dflash.evaluate import evaluate
+    from dflash.export import export
     from dflash.extract import extract
+    from dflash.spec import run_spec
     from dflash.train import train
 
     preset = REPO / "configs" / "tiny.toml"
@@ -36,6 +40,13 @@ def demo(out, steps, device):
                f"fill {i['fill_ratio']:.1%}, {i['shard_bytes_per_token'] / 1e3:.2f} KB/token")
     train(build_config(TrainConfig, preset, "train", {"cache": str(cache_dir), "out": str(run_dir),
                                                       "max_steps": steps, "device": device}))
-    result = evaluate(str(run_dir), str(cache_dir), device=device, max_anchors=512)
-    click.echo(f"tau (offline, {len(result['shards'])} held-out shards): {result['tau']:.3f}; "
-               f"next: dflash plot {run_dir}, dflash export {run_dir} --out DIR")
+    offline = evaluate(str(run_dir), str(cache_dir), device=device, max_anchors=512)
+    export(run_dir, Path(out) / "drafter")
+    chat = [json.loads(x) for x in (REPO / "data" / "sample" / "chat.jsonl").read_text().splitlines()][-prompts:]
+    prompt_file = Path(out) / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"messages": r["messages"][:-1]}) + "\n" for r in chat))
+    online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"), str(prompt_file), 64,
+                      device=device)
+    click.echo(f"tau offline {offline['tau']:.2f} ({len(offline['shards'])} held-out shards) | "
+               f"tau online {online['tau']:.2f} ({online['prompts']} prompts, lossless: {online['lossless']}) | "
+               f"speedup {online['speedup']:.2f}x; curves: dflash plot {run_dir}")
