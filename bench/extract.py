@@ -147,7 +147,7 @@ def forward_only(cfg: ExtractConfig, cache_dir: Path) -> dict:
     n = run(windows)
     sync()
     dt = time.perf_counter() - t0
-    del model, target
+    del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from dflash.cache import Cache, CorruptShardError
-from dflash.errors import DflashError
 
 FIELDS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens")
 

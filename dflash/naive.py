@@ -21,7 +21,7 @@ def naive_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_len
                labels_from: str = "target") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, slot_correct [B-1], slot_count [B-1]) for the given anchor positions of one shard."""
     cfg = model.cfg
-    B, T = cfg.block_size, input_ids.shape[0]
+    B = cfg.block_size
     ctx_all = model.context(hidden)  # per-position features: computing them for all positions is the same
     ends = doc_lens.long().cumsum(0).tolist()
     starts = [e - n for e, n in zip(ends, doc_lens.tolist())]

@@ -9,7 +9,6 @@ target's plain greedy decoding: `lossless` checks it prompt by prompt.
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -110,29 +109,24 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Prompts from JSONL: `messages` rows (up to the last user turn, with the generation prompt) or
     `prompt` / `text` rows (raw text)."""
+    from dflash.data import _jsonl_rows
+
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DflashError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if "messages" in row:
-                msgs = row["messages"]
-                last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
-                if last_user is None:
-                    raise DflashError(f"{path}:{lineno}: a prompt needs a user turn")
-                text = tokenizer.apply_chat_template(msgs[: last_user + 1], tokenize=False, add_generation_prompt=True)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            elif isinstance(row.get("prompt", row.get("text")), str):
-                ids = tokenizer(row.get("prompt", row.get("text")))["input_ids"]
-            else:
-                raise DflashError(f"{path}:{lineno}: row has neither 'messages' nor 'prompt'/'text'")
-            prompts.append(ids)
-            if limit is not None and len(prompts) >= limit:
-                break
+    for where, row in _jsonl_rows(path):
+        if "messages" in row:
+            msgs = row["messages"]
+            last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+            if last_user is None:
+                raise DflashError(f"{where}: a prompt needs a user turn")
+            text = tokenizer.apply_chat_template(msgs[: last_user + 1], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(row.get("prompt", row.get("text")), str):
+            ids = tokenizer(row.get("prompt", row.get("text")))["input_ids"]
+        else:
+            raise DflashError(f"{where}: row has neither 'messages' nor 'prompt'/'text'")
+        prompts.append(ids)
+        if limit is not None and len(prompts) >= limit:
+            break
     if not prompts:
         raise DflashError(f"{path}: no prompts")
     return prompts

@@ -63,6 +63,13 @@ def run_cli(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Co
                           cwd=REPO, **kwargs)
 
 
+def start_cli(args: list[str]) -> subprocess.Popen:
+    """`python -m dflash ARGS` in the background (to be killed)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def run_in_process(args: list[str]):
     """The CLI in this process (faster than a subprocess): click's result with exit code and output."""
     from click.testing import CliRunner

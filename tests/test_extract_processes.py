@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (REPO, bf16_bits_to_float, committed, extract_args, read_arrays, rel_err, run_cli, run_in_process,
-                      sample_rows, tiny_qwen3_next, write_jsonl)
+                      sample_rows, start_cli, tiny_qwen3_next, write_jsonl)
 from dflash.cache import read_manifest
 
 pytestmark = pytest.mark.slow
@@ -30,12 +30,6 @@ def reference(tmp_path_factory, crash_data):
     result = run_cli(extract_args(crash_data, out))
     assert result.returncode == 0, result.stderr
     return out
-
-
-def _start(args):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _kill_when(proc, condition, timeout=120.0, extra_delay=0.0):
@@ -70,7 +64,7 @@ def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, cras
         lambda: len(committed(out)) >= total // 2,
     ]
     for condition in moments:
-        if _kill_when(_start(args), condition, extra_delay=float(rng.uniform(0, 0.3))):
+        if _kill_when(start_cli(args), condition, extra_delay=float(rng.uniform(0, 0.3))):
             kills += 1
             assert read_manifest(out) is None or len(committed(out)) < total
     final = run_cli(args)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, TINY_TARGET, run_cli, run_in_process, sample_rows, write_jsonl
+from conftest import TINY_TARGET, run_cli, run_in_process, sample_rows, start_cli, write_jsonl
 from dflash.spec import target_greedy
 from dflash.target import Target
 
@@ -50,9 +47,7 @@ def test_sigkill_then_resume_gives_the_same_file(tmp_path):
             "--batch-size", "2", "--temperature", "0.8", "--device", "cpu"]
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     assert run_cli(args + ["--out", str(ref)]).returncode == 0
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args, "--out", str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli(args + ["--out", str(out)])
     t0 = time.monotonic()
     while not (out.exists() and out.read_bytes().count(b"\n") >= 16):
         assert proc.poll() is None and time.monotonic() - t0 < 300, "finished before it could be killed"

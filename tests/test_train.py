@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli, run_in_process
+from conftest import REPO, run_cli, run_in_process, start_cli
 
 PRESET = str(REPO / "configs" / "tiny.toml")
 
@@ -70,9 +70,7 @@ def test_sigkill_then_resume_logs_the_same_loss_at_every_step(tmp_path, tiny_cac
             "--log-every", "1", "--device", "cpu", "--holdout-shards", "0"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert run_cli(args + ["--out", str(ref)]).returncode == 0
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args, "--out", str(run)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli(args + ["--out", str(run)])
     latest = run / "checkpoints" / "latest.json"
     t0 = time.monotonic()
     while not (latest.exists() and json.loads(latest.read_text())["step"] >= 8):
@@ -213,11 +211,9 @@ def test_follow_trains_on_shards_as_they_are_committed(tmp_path, tiny_cache):
     records = sorted((cache / "commits").glob("*.json"))
     for p in records[len(records) // 2:]:
         p.rename(hidden / p.name)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     args = ["train", "--config", PRESET, "--cache", str(cache), "--out", str(tmp_path / "run"), "--device", "cpu",
             "--epochs", "1", "--holdout-shards", "0", "--follow", "--log-every", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_cli(args)
     time.sleep(8)
     assert proc.poll() is None, "with half the shards missing, a one-epoch run cannot have finished"
     for p in hidden.iterdir():  # "the extract commits the rest"
