@@ -175,6 +175,9 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if not cfg.follow:  # without --follow, train on what is committed now
         done = set(cache.committed())
         train_shards = [s for s in train_shards if s in done]
+    if d.world > 1 and cfg.on_corrupt == "skip":
+        raise DflashError("--on-corrupt skip runs in one process only (DDP ranks would fall out of step); "
+                          "`dflash cache verify` names bad shards, and deleting their commits/ records excludes them")
     if len(train_shards) < d.world:
         raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
     run = Path(cfg.out)
@@ -216,6 +219,24 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     bar = tqdm(total=total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
                dynamic_ncols=True)
     acc = _Accumulator(dcfg.block_size, device)
+    saved = start
+
+    def save(at: int) -> None:
+        nonlocal saved
+        if d.is_main:
+            checkpoint.save(run, at, drafter, optimizer, {"shards_seen": at * d.world})
+        d.barrier()
+        saved = at
+
+    def evaluate(at: int) -> None:
+        if not (holdout and d.is_main):
+            return
+        result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device, max_anchors=256)
+        drafter.train()
+        with (run / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": at, "tau": result["tau"], "per_slot": result["per_slot"]}) + "\n")
+        bar.write(f"step {at}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
+
     step, t_log, wait_log, first_step_s, compiles_after_first = start, time.perf_counter(), 0.0, None, 0
     try:
         for shard, inputs in loader:
@@ -258,17 +279,14 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                     with (run / "metrics.jsonl").open("a") as f:
                         f.write(json.dumps(record) + "\n")
             if step % cfg.save_every == 0 or step == total:
-                if d.is_main:
-                    checkpoint.save(run, step, drafter, optimizer, {"shards_seen": step * d.world})
-                d.barrier()
-            if holdout and d.is_main and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total):
-                result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device, max_anchors=256)
-                drafter.train()
-                with (run / "metrics.jsonl").open("a") as f:
-                    f.write(json.dumps({"step": step, "tau": result["tau"], "per_slot": result["per_slot"]}) + "\n")
-                bar.write(f"step {step}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
+                save(step)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+                evaluate(step)
             if step >= total:
                 break
+        if saved != step:  # the schedule ran out early (skipped shards): keep what was learned
+            save(step)
+        evaluate(step)
     finally:
         loader.close()
         bar.close()

@@ -186,6 +186,9 @@ def test_corrupt_shard_fails_naming_it_or_is_skipped(tmp_path, tiny_cache):
     assert fail.exit_code == 1 and "shard 5 is corrupt" in fail.output
     skip = run_in_process(args + ["--out", str(tmp_path / "b"), "--on-corrupt", "skip"])
     assert skip.exit_code == 0 and "skipping shard 5" in skip.output
+    shards = len(list((cache / "commits").glob("*.json")))
+    latest = json.loads((tmp_path / "b" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == shards - 1  # one shard fewer, and the run still ends with a checkpoint
 
 
 @pytest.mark.slow
