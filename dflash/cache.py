@@ -129,7 +129,7 @@ def _file_sha256(path: Path) -> str:
 @dataclass
 class Shard:
     index: int
-    hidden: np.ndarray  # [T, L', H] uint16 (bf16 bits), L' = the layers the cache was opened for
+    hidden: np.ndarray  # [T, L', H] uint16 (bf16 bits), L' = the layers the cache was opened for (a view)
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] uint8
     target_ids: np.ndarray  # [T] int32
@@ -229,7 +229,7 @@ class Cache:
         arr = self.arrays[name]
         block = np.ascontiguousarray(block)
         crc = checksum(block)
-        if self._direct_writes(arr):
+        if self._direct_io(arr):
             path = self.path / name / arr.metadata.encode_chunk_key(coords)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -242,7 +242,8 @@ class Cache:
         return crc
 
     @staticmethod
-    def _direct_writes(arr) -> bool:
+    def _direct_io(arr) -> bool:
+        """Chunks are raw little-endian values + crc32c in a local file: we read and write them directly."""
         codecs = arr.metadata.codecs
         return (isinstance(arr.store, zarr.storage.LocalStore) and len(codecs) == 2
                 and isinstance(codecs[0], zarr.codecs.BytesCodec)
@@ -254,29 +255,53 @@ class Cache:
     def read_shard(self, shard: int, verify: bool = True) -> Shard:
         """One committed shard, reading only the chunks of the opened layers. With `verify`, the bytes
         are checked against the commit record, which also catches a chunk deleted from disk."""
+        T, H, D = self.token_budget, self.manifest["hidden_size"], self.manifest["max_docs"]
+        hidden = np.empty((len(self.layer_slots), T, H), np.uint16)
+        out = {name: np.empty(T if name in SHARD_ARRAYS else D, self.arrays[name].dtype)
+               for name in (*SHARD_ARRAYS, *PLAN_ARRAYS)}
+        self.read_shard_into(shard, hidden, out, verify)
+        return Shard(shard, hidden.transpose(1, 0, 2), **out)
+
+    def read_shard_into(self, shard: int, hidden: np.ndarray, arrays: dict[str, np.ndarray],
+                        verify: bool = True) -> None:
+        """Read a committed shard into given buffers (the loader's pinned memory): hidden [L', T, H] uint16,
+        layer-major, so each chunk lands in one contiguous block; `arrays` holds any of input_ids,
+        loss_mask, target_ids, doc_lens, row_ids."""
         record = self.commit_record(shard)
         if record is None:
             raise DflashError(f"{self.path}: shard {shard} is not committed")
-        T, H = self.token_budget, self.manifest["hidden_size"]
-        hidden = np.empty((T, len(self.layer_slots), H), np.uint16)
         sums = record["crc32c"]
         for j, slot in enumerate(self.layer_slots):
-            block = self._read(shard, "hidden", (shard, slice(None), slot, slice(None)))
-            if verify and checksum(block) != sums["hidden"][slot]:
-                raise CorruptShardError(self.path, shard, f"hidden layer {self.manifest['layer_ids'][slot]}: checksum mismatch")
-            hidden[:, j] = block
-        out = {}
-        for name in (*SHARD_ARRAYS, *PLAN_ARRAYS):
-            out[name] = self._read(shard, name, shard)
-            if verify and checksum(out[name]) != sums[name]:
+            what = f"hidden layer {self.manifest['layer_ids'][slot]}"
+            crc = self._read_chunk_into(shard, "hidden", (shard, 0, slot, 0), hidden[j], what)
+            if verify and crc != sums["hidden"][slot]:
+                raise CorruptShardError(self.path, shard, f"{what}: checksum mismatch")
+        for name, buf in arrays.items():
+            if verify and self._read_chunk_into(shard, name, (shard, 0), buf, name) != sums[name]:
                 raise CorruptShardError(self.path, shard, f"{name}: checksum mismatch")
-        return Shard(shard, hidden, **out)
 
-    def _read(self, shard: int, name: str, selection) -> np.ndarray:
+    def _read_chunk_into(self, shard: int, name: str, coords: tuple, out: np.ndarray, what: str) -> int:
+        """Read one whole chunk into `out` (contiguous, the chunk's size) and return the crc32c of its
+        values. Uncompressed local chunks are read straight into `out` and checked against their own
+        trailing crc32c; others go through zarr."""
+        arr = self.arrays[name]
+        if self._direct_io(arr):
+            path = self.path / name / arr.metadata.encode_chunk_key(coords)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    n = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+                    tail = f.read(5)
+            except FileNotFoundError:
+                raise CorruptShardError(self.path, shard, f"{what}: chunk file missing") from None
+            crc = checksum(out)
+            if n != out.nbytes or len(tail) != 4 or crc != int.from_bytes(tail, "little"):
+                raise CorruptShardError(self.path, shard, f"{what}: chunk fails its crc32c (or has the wrong size)")
+            return crc
         try:
-            return self.arrays[name][selection]
+            out[...] = arr[tuple(slice(c * n, (c + 1) * n) for c, n in zip(coords, arr.chunks))].reshape(out.shape)
         except Exception as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
-            raise CorruptShardError(self.path, shard, f"{name}: {str(e).splitlines()[0][:120]}") from None
+            raise CorruptShardError(self.path, shard, f"{what}: {str(e).splitlines()[0][:120]}") from None
+        return checksum(out)
 
 
 # -- inspection (cache info / verify / ls) -------------------------------------------------------------

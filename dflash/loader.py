@@ -25,7 +25,7 @@ FIELDS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens")
 class Inputs:
     """The tensors one step reads: fixed shapes, fixed addresses (the compiled graph's static inputs)."""
 
-    hidden: torch.Tensor  # [T, L, H] bf16
+    hidden: torch.Tensor  # [L, T, H] bf16: layer-major, as the cache's chunks are (one read per chunk)
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] uint8
     target_ids: torch.Tensor  # [T] int64
@@ -36,8 +36,8 @@ class Inputs:
         def make(shape, dtype):
             t = torch.zeros(shape, dtype=dtype, device=device)
             return t.pin_memory() if pin else t
-        return Inputs(make((T, L, H), torch.bfloat16), make(T, torch.int64), make(T, torch.uint8),
-                      make(T, torch.int64), make(D, torch.int32))
+        return Inputs(make((L, T, H), torch.bfloat16), make(T, torch.int32), make(T, torch.uint8),
+                      make(T, torch.int32), make(D, torch.int32))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f: getattr(self, f) for f in FIELDS}
@@ -106,22 +106,19 @@ class ShardLoader:
         return None
 
     def _read_one(self, s: int) -> None:
-        try:
-            shard = self.cache.read_shard(s, verify=True)
+        buf, copied = self.free.get()
+        if copied is not None:
+            copied.synchronize()  # reader-thread sync: the last H2D copy out of this buffer is done
+        try:  # straight from the chunk files into (pinned) memory, checked against the commit record
+            self.cache.read_shard_into(s, buf.hidden.view(torch.int16).numpy().view(np.uint16),
+                                       {f: getattr(buf, f).numpy() for f in FIELDS[1:]})
         except CorruptShardError as e:
+            self.free.put((buf, None))
             if self.on_corrupt == "fail":
                 raise
             self.log(f"warning: skipping shard {s}: {e.detail}")
             self.skipped.append(s)
             return
-        buf, copied = self.free.get()
-        if copied is not None:
-            copied.synchronize()  # reader-thread sync: the last H2D copy out of this buffer is done
-        buf.hidden.view(torch.int16).numpy()[:] = shard.hidden.view(np.int16)
-        buf.input_ids.numpy()[:] = shard.input_ids
-        buf.loss_mask.numpy()[:] = shard.loss_mask
-        buf.target_ids.numpy()[:] = shard.target_ids
-        buf.doc_lens.numpy()[:] = shard.doc_lens
         self.full.put((s, buf))
 
     # -- training loop side ---------------------------------------------------------------------

@@ -136,8 +136,10 @@ class LossModule(torch.nn.Module):
         self.gamma = cfg.resolved_gamma()
 
     def forward(self, hidden, input_ids, loss_mask, target_ids, doc_lens):
+        """hidden [L, T, H] (the loader's layer-major layout); the rest as `drafter_loss` takes them."""
         with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
-            out = drafter_loss(self.drafter, hidden, input_ids, loss_mask, target_ids, doc_lens,
+            out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask,
+                               target_ids.long(), doc_lens,
                                num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
                                attention=self.attention, ce_chunk=self.cfg.ce_chunk)
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys

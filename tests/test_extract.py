@@ -280,3 +280,20 @@ def test_the_data_readme_reader_snippet_runs(cache_dir):
     assert scope["h"].shape == (512, 128) and scope["h"].dtype == torch.bfloat16
     expected = Cache(cache_dir, layers=[2]).read_shard(0).hidden[:, 0]
     assert np.array_equal(scope["h"].view(torch.int16).numpy().view(np.uint16), expected)
+
+
+def test_zstd_cache_holds_the_same_values_and_verifies(cache_dir, small_data, tmp_path):
+    """--compressor zstd: chunks go through zarr's codecs (not the direct path), same contents."""
+    out = tmp_path / "z"
+    assert run_in_process(extract_args(small_data, out, compressor="zstd")).exit_code == 0
+    assert json.loads((out / "hidden" / "zarr.json").read_text())["codecs"][1]["name"] == "zstd"
+    got, want = read_arrays(out), read_arrays(cache_dir)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert np.array_equal(Cache(out, layers=[3]).read_shard(1).hidden, Cache(cache_dir, layers=[3]).read_shard(1).hidden)
+    assert verify(out) == []
+    chunk = out / "hidden" / "c" / "0" / "0" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    assert [s for s, _ in verify(out)] == [0]
