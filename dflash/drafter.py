@@ -165,8 +165,10 @@ class Drafter(nn.Module):
 
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, L, H] captured target states -> [T, H] context features."""
-        T = hidden.shape[0]
-        return self.hidden_norm(self.fc(hidden.reshape(T, -1).to(self.fc.weight.dtype)))
+        x = hidden.reshape(hidden.shape[0], -1)  # [T, L*H]
+        if not torch.is_autocast_enabled(x.device.type):  # under autocast the bf16 states feed fc as they are
+            x = x.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_weight)
