@@ -3,7 +3,6 @@ cache, train a drafter on it, measure its offline acceptance length."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -16,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 @click.command()
 @click.option("--out", default="runs/demo", show_default=True, help="Folder for the demo's cache and run.")
 @click.option("--steps", default=120, show_default=True, help="Training steps.")
-@click.option("--prompts", default=8, show_default=True, help="Chat prompts decoded speculatively at the end.")
+@click.option("--prompts", default=8, show_default=True, help="Held-out prompts decoded speculatively at the end.")
 @click.option("--device", default="cpu", show_default=True)
 @user_errors
 def demo(out, steps, prompts, device):
@@ -42,11 +41,8 @@ def demo(out, steps, prompts, device):
                                                       "max_steps": steps, "device": device}))
     offline = evaluate(str(run_dir), str(cache_dir), device=device, max_anchors=512)
     export(run_dir, Path(out) / "drafter")
-    chat = [json.loads(x) for x in (REPO / "data" / "sample" / "chat.jsonl").read_text().splitlines()][-prompts:]
-    prompt_file = Path(out) / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"messages": r["messages"][:-1]}) + "\n" for r in chat))
-    online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"), str(prompt_file), 64,
-                      device=device)
+    online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"),
+                      str(REPO / "data" / "sample" / "prompts.jsonl"), 64, limit=prompts, device=device)
     click.echo(f"tau offline {offline['tau']:.2f} ({len(offline['shards'])} held-out shards) | "
                f"tau online {online['tau']:.2f} ({online['prompts']} prompts, lossless: {online['lossless']}) | "
                f"speedup {online['speedup']:.2f}x; curves: dflash plot {run_dir}")

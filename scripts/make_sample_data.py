@@ -40,6 +40,7 @@ MAX_TEXT_CHARS = 6000  # text rows longer than this are cut at a paragraph bound
 MAX_TOPIC_CHARS = 3000  # pydoc topics are cut at a paragraph boundary to this
 MAX_ANSWER_CHARS = 3000  # same for function docstrings
 N_FUNCTION_ITEMS = 340  # function Q/A items kept (evenly spread over the sorted list)
+N_PROMPTS = 100  # held-out questions about the other functions, in prompts.jsonl
 
 # Never imported (import has side effects, needs a GUI, or is a test/demo/private-tooling package),
 # at any depth of the module name.
@@ -269,6 +270,8 @@ documentation text of the CPython {py} standard library, read from the running i
   topics of `pydoc_data.topics` (cut at a paragraph boundary to <= {max_topic} characters) and
   docstrings of public stdlib functions; user turns are short templated questions (the only text
   written here). {n_system} rows start with a system message, {n_multi} have two user/assistant exchanges.
+- `prompts.jsonl`, {n_prompts} rows of `{{"messages", "source"}}`: held-out user questions about stdlib
+  functions that `chat.jsonl` leaves out, as prompts for `dflash spec`.
 
 Sizes: {text_bytes:,} + {chat_bytes:,} bytes; {tokens} tokens under the `data/tiny-target` tokenizer
 (chat rows rendered with its chat template).
@@ -309,13 +312,19 @@ def main() -> None:
 
     mods = stdlib_modules()
     text_rows, functions = collect(mods)
-    items = chat_items() + function_items(spread(functions, N_FUNCTION_ITEMS))
+    kept = spread(functions, N_FUNCTION_ITEMS)
+    items = chat_items() + function_items(kept)
     chat_rows = build_chat(items)
+    # held-out prompts (for `dflash spec`): questions about the functions the chat rows leave out
+    held = function_items([f for f in functions if f not in set(kept)])
+    prompt_rows = [{"messages": [{"role": "user", "content": it["question"]}], "source": it["source"]}
+                   for it in spread(held, N_PROMPTS)]
 
     args.out.mkdir(parents=True, exist_ok=True)
     text_path, chat_path = args.out / "text.jsonl", args.out / "chat.jsonl"
     write_jsonl(text_path, text_rows)
     write_jsonl(chat_path, chat_rows)
+    write_jsonl(args.out / "prompts.jsonl", prompt_rows)
 
     n_system = sum(r["messages"][0]["role"] == "system" for r in chat_rows)
     n_multi = sum(sum(m["role"] == "user" for m in r["messages"]) > 1 for r in chat_rows)
@@ -330,6 +339,7 @@ def main() -> None:
         py=py, py_full=sys.version.split()[0], n_text=len(text_rows), n_chat=len(chat_rows),
         min_chars=MIN_CHARS, max_topic=MAX_TOPIC_CHARS, n_system=n_system, n_multi=n_multi,
         text_bytes=text_path.stat().st_size, chat_bytes=chat_path.stat().st_size, tokens=tokens,
+        n_prompts=len(prompt_rows),
     )
     (args.out / "README.md").write_text(readme, encoding="utf-8")
 
@@ -338,6 +348,7 @@ def main() -> None:
     print(f"{chat_path}: {len(chat_rows)} rows ({n_system} with a system message, {n_multi} multi-turn), "
           f"{chat_path.stat().st_size:,} B")
     print(f"tokens (text + chat): {tokens}")
+    print(f"{args.out / 'prompts.jsonl'}: {len(prompt_rows)} held-out prompts")
 
 
 if __name__ == "__main__":
