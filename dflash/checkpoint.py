@@ -23,8 +23,12 @@ LATEST = "latest.json"
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
+    write_text_atomic(path, json.dumps(obj, indent=2))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -35,7 +39,9 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> tuple[d
     for idx, state in sd["state"].items():
         for key, value in state.items():
             tensors[f"{names[idx]}::{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    return tensors, sd["param_groups"]
+    # a tensor lr (CUDA: changing it never recompiles) is stored as its value
+    groups = [{k: v.item() if torch.is_tensor(v) else v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, groups
 
 
 def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, keep: int = 2) -> Path:
@@ -66,12 +72,20 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, k
 
 
 def latest(run: Path) -> Path | None:
+    """The newest complete checkpoint: the one latest.json names, or, if that file is lost or torn,
+    the newest step folder that holds all its files (a run never restarts silently from step 0)."""
+    root = run / CHECKPOINTS
     try:
-        info = json.loads((run / CHECKPOINTS / LATEST).read_text())
-    except (OSError, ValueError):
-        return None
-    path = run / CHECKPOINTS / info["dir"]
-    return path if path.is_dir() else None
+        info = json.loads((root / LATEST).read_text())
+        if (root / info["dir"]).is_dir():
+            return root / info["dir"]
+    except (OSError, ValueError, KeyError):
+        pass
+    files = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+    for path in sorted(root.glob("step-*"), reverse=True):
+        if all((path / f).is_file() for f in files):
+            return path
+    return None
 
 
 def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
@@ -94,7 +108,11 @@ def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
         for key, value in tensors.items():
             name, field = key.split("::")
             per_param.setdefault(names.index(name), {})[field] = value
+        tensor_lrs = [g["lr"] for g in optimizer.param_groups]
         optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        for group, lr in zip(optimizer.param_groups, tensor_lrs):
+            if torch.is_tensor(lr):  # back into the same tensor the step was built with
+                group["lr"] = lr.fill_(float(group["lr"]))
         rng = load_file(str(path / "rng.safetensors"))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -66,7 +66,8 @@ def drafter_config_from_export(config: dict, path) -> DrafterConfig:
                          intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
                          num_key_value_heads=config["num_key_value_heads"],
                          head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                         rms_norm_eps=config["rms_norm_eps"], rope_theta=config.get("rope_theta", 1e6),
+                         rms_norm_eps=config["rms_norm_eps"],
+                         rope_theta=(config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e6),
                          block_size=config["block_size"], target_layer_ids=d["target_layer_ids"],
                          mask_token_id=d["mask_token_id"], vocab_size=config["vocab_size"],
                          max_position_embeddings=config.get("max_position_embeddings", 40960))
@@ -78,6 +79,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
     """tau and per-slot acceptance over the valid anchors of `shards` (cache opened with the drafter's
     layers): all of them, or `max_anchors` per shard evenly spaced."""
     B = drafter.cfg.block_size
+    head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
     accepted_total = torch.zeros(B - 1, dtype=torch.float64)
     blocks = 0
     for s in shards:
@@ -92,6 +94,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
         if max_anchors is not None and len(valid) > max_anchors:
             valid = valid[torch.linspace(0, len(valid) - 1, max_anchors, device=device).long()]
         ctx = drafter.context(hidden.to(drafter.fc.weight.dtype))
+        ctx_kv = drafter.context_kv(ctx, lay.pos)  # once per shard, shared by every pass of anchors
         k = torch.arange(1, B, device=device)
         for i in range(0, len(valid), anchors_per_pass):
             anchors = valid[i : i + anchors_per_pass]
@@ -99,9 +102,9 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
             ids[:, 0] = input_ids[anchors]
             pos = lay.pos[anchors][:, None] + torch.arange(B, device=device)
             attend = sdpa_attention(dense_mask(anchors, lay, B))
-            h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend).view(len(anchors), B, -1)[:, 1:]
-            h = h.reshape(-1, h.shape[-1])
-            pred = torch.cat([(h[j : j + head_chunk] @ drafter.head_weight.t().to(h.dtype)).argmax(-1)
+            h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend, ctx_kv=ctx_kv)
+            h = h.view(len(anchors), B, -1)[:, 1:].reshape(-1, h.shape[-1])
+            pred = torch.cat([(h[j : j + head_chunk].to(head.dtype) @ head.t()).argmax(-1)
                               for j in range(0, h.shape[0], head_chunk)]).view(len(anchors), B - 1)
             label_pos = anchors[:, None] + k  # the token slot k drafts; target_ids[t-1] is the target's choice
             inside = label_pos < lay.doc_end[anchors][:, None]

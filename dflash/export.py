@@ -63,14 +63,17 @@ def export(run: str | Path, out: str | Path) -> Path:
     run, out = Path(run), Path(out)
     config, ckpt = read_run(run)
     dcfg = DrafterConfig(**config["drafter"])
-    cache_manifest = _cache_manifest(config)
-    num_target_layers = cache_manifest["target"]["num_layers"] if cache_manifest else max(dcfg.target_layer_ids) + 1
+    target_info = config["cache"].get("target") or (_cache_manifest(config) or {}).get("target")
+    if not target_info:
+        raise DflashError(f"{run}: the run does not record its target's depth and its cache "
+                          f"({config['cache']['path']}) is gone: cannot write num_target_layers")
+    num_target_layers = target_info["num_layers"]
     weights = checkpoint.load_weights(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(dcfg, num_target_layers), indent=2))
-    target = (cache_manifest or {}).get("target", {}).get("name", "TARGET")
+    target = target_info.get("name") or target_info.get("path") or "TARGET"
     (out / "README.md").write_text(MODEL_CARD.format(target=target, block=dcfg.block_size, layers=dcfg.num_layers,
                                                      ids=dcfg.target_layer_ids, mask=dcfg.mask_token_id,
                                                      step=json.loads((ckpt / "state.json").read_text())["step"],

@@ -2,8 +2,8 @@
 
 Flow (per rank): key -> (rank 0) plan + create, or resume -> windows of shards -> batched forwards into
 a device buffer -> copy to (pinned) host -> writer thread writes the shards and their commit records
-while the next window runs. A window is `window` consecutive shards; window k belongs to rank
-k % world, so several torchrun ranks write one cache, each its own shards.
+while the next window runs. A window is `window` consecutive shards; the windows still to do are
+dealt round-robin to the ranks, so several torchrun ranks write one cache, each its own shards.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
     d.barrier()
 
     cache = cachelib.Cache(out, mode="r+")
-    committed = set(cache.committed())
+    committed = set(d.broadcast(cache.committed() if d.is_main else None))  # one view for every rank
     windows = _my_windows(cache.num_shards, committed, cfg.window, d)
     if not windows:  # this rank's shards are all committed (other ranks may still have work)
         if len(committed) == cache.num_shards:
@@ -108,7 +108,7 @@ def _check_writable(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise DflashError(f"--out {out}: cannot write there ({e.strerror})") from None
-    foreign = {p.name for p in out.iterdir()} - cachelib.CACHE_ENTRIES
+    foreign = {p.name for p in out.iterdir() if not p.name.startswith(".")} - cachelib.CACHE_ENTRIES
     if foreign and cachelib.read_manifest(out) is None:
         raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache (holds {sorted(foreign)[0]!r})")
 
@@ -225,10 +225,11 @@ def _load_model(path, device, dtype, cfg):
 
 
 def _my_windows(num_shards: int, committed: set[int], window: int, d: Dist) -> list[list[int]]:
-    """This rank's windows that still have an uncommitted shard."""
-    starts = range(0, num_shards, window)
-    mine = [list(range(k, min(k + window, num_shards))) for i, k in enumerate(starts) if i % d.world == d.rank]
-    return [w for w in mine if any(s not in committed for s in w)]
+    """This rank's share of the windows that still have an uncommitted shard: dealt round-robin, so a
+    resumed run spreads what is left over every rank, whoever had it before."""
+    windows = [list(range(k, min(k + window, num_shards))) for k in range(0, num_shards, window)]
+    todo = [w for w in windows if any(s not in committed for s in w)]
+    return todo[d.rank :: d.world]
 
 
 def _docs_for(cfg, tokenizer, cache, windows, docs: dict[int, Doc]) -> dict[int, Doc]:

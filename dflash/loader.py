@@ -106,7 +106,13 @@ class ShardLoader:
         return None
 
     def _read_one(self, s: int) -> None:
-        buf, copied = self.free.get()
+        while True:  # a free buffer, or the loader is closing (the loop may hold every buffer)
+            try:
+                buf, copied = self.free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._stop:
+                    return
         if copied is not None:
             copied.synchronize()  # reader-thread sync: the last H2D copy out of this buffer is done
         try:  # straight from the chunk files into (pinned) memory, checked against the commit record
@@ -161,8 +167,9 @@ class ShardLoader:
             else:
                 self.inputs.copy_(buf)
             self.free.put((buf, copied))  # the reader waits for `copied` before refilling it
-            staged = self._stage(consumed)  # the next shard's H2D overlaps this step
             yield s, self.inputs
+            # the step is queued on the device: the next shard's H2D now overlaps it
+            staged = self._stage(consumed)
 
     def close(self) -> None:
         self._stop = True

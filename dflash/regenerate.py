@@ -4,8 +4,9 @@ Drafters are trained on what the target itself would say, because that is what a
 against. `messages` rows keep every turn before their last assistant turn and get a new last assistant
 turn; `text` rows keep their first `prompt_tokens` tokens and get the target's continuation.
 
-Output is JSONL in input order, written a chunk at a time; the same command resumes an interrupted run
-(the settings are kept in OUT.meta.json and must match).
+Output is JSONL in input order, written a chunk (8 batches) at a time; the same command resumes an
+interrupted run from its last whole chunk (the settings are kept in OUT.meta.json and must match), so
+even a sampled run resumes to the same file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash.checkpoint import write_json_atomic
 from dflash.data import Row, file_fingerprints, read_rows
 from dflash.errors import DflashError
 
@@ -69,13 +71,15 @@ def _settings(cfg: RegenerateConfig, target_path) -> dict:
     from dflash.target import config_hash, weights_fingerprint
     from transformers import AutoConfig
 
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "batch_size", "data", "target")}
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "data", "target")}  # batch_size
+    # stays: it sets the chunks, and each chunk's sampling seed
     return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
             "target_weights": weights_fingerprint(target_path), "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
 
 
-def _resume_point(out: Path, meta: Path, settings: dict) -> int:
-    """Rows already written (a torn last line is cut off); refuses other settings."""
+def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
+    """Rows already written, rounded down to a whole chunk (the file is cut back there, so the resumed
+    run samples exactly as an uninterrupted one); refuses other settings."""
     if not out.exists():
         if meta.exists():
             meta.unlink()
@@ -87,11 +91,15 @@ def _resume_point(out: Path, meta: Path, settings: dict) -> int:
     if diffs:
         raise DflashError(f"--out {out} was generated with other settings ({', '.join(diffs)}); use another --out")
     data = out.read_bytes()
-    whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) != len(data):
-        with out.open("r+b") as f:  # a crash mid-line: drop the partial row
-            f.truncate(len(whole))
-    return whole.count(b"\n")
+    lines = data.count(b"\n")
+    done = lines - lines % chunk
+    keep = 0
+    for _ in range(done):
+        keep = data.index(b"\n", keep) + 1
+    if keep != len(data):
+        with out.open("r+b") as f:  # a crash mid-chunk: drop the partial chunk
+            f.truncate(keep)
+    return done
 
 
 def regenerate(cfg: RegenerateConfig, log=print) -> dict:
@@ -100,7 +108,8 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
     out, meta = Path(cfg.out), Path(cfg.out + ".meta.json")
     target_path = resolve_target(cfg.target)
     settings = _settings(cfg, target_path)
-    done = _resume_point(out, meta, settings)
+    chunk = cfg.batch_size * 8  # rows sorted by prompt length within a chunk, written in order after it
+    done = _resume_point(out, meta, settings, chunk)
     rows = list(read_rows(cfg.data, cfg.limit))
     if not rows:
         raise DflashError(f"--data {', '.join(cfg.data)}: no rows")
@@ -108,7 +117,7 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
         log(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
         return {"rows": len(rows), "written": 0}
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps(settings, indent=2))
+    write_json_atomic(meta, settings)
     device = resolve_device(cfg.device)
     model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device))
     tok.padding_side = "left"
@@ -117,7 +126,6 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
     if done:
         log(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
-    chunk = cfg.batch_size * 8  # rows sorted by prompt length within a chunk, written in order after it
     tokens = 0
     with out.open("a", encoding="utf-8") as f:
         for start in range(done, len(rows), chunk):
@@ -144,10 +152,9 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
                                          pad_token_id=pad, eos_token_id=eos)
                 for j, i in enumerate(idx):
                     gens[i] = _until_eos(res[j, width:].tolist(), eos, pad)
-            for i, row in enumerate(part):
-                new = _rewrite(row, prompts[i], gens[i], tok)
-                tokens += len(gens[i])
-                f.write(json.dumps(new, ensure_ascii=False) + "\n")
+            tokens += sum(len(g) for g in gens.values())
+            f.write("".join(json.dumps(_rewrite(row, prompts[i], gens[i], tok), ensure_ascii=False) + "\n"
+                            for i, row in enumerate(part)))  # one write per chunk
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(part))

@@ -31,6 +31,8 @@ def _new_cache(target: Target):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.model.config)
+    if hasattr(cache, "activate_past_recording"):  # sliding-window layers keep what a rewind needs
+        cache.activate_past_recording()
     if not getattr(cache, "is_croppable", True):
         raise DflashError("speculative decoding rewinds the target's cache after a rejection; this target's "
                           "cache (linear attention / sliding window) cannot be rewound")

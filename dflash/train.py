@@ -85,14 +85,17 @@ def split_shards(cfg: TrainConfig, num_shards: int) -> tuple[list[int], list[int
     return [s for s in range(num_shards) if s not in set(holdout)], holdout
 
 
-def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, holdout: list[int]) -> dict:
+def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int], holdout: list[int]) -> dict:
     return {"dflash_version": dflash.__version__, "train": asdict(cfg), "drafter": dcfg.to_dict(),
+            "train_shards": train_shards,
             "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest["cache_key"],
-                      "layer_ids": cache.manifest["layer_ids"]}, "holdout_shards": holdout}
+                      "layer_ids": cache.manifest["layer_ids"], "target": cache.manifest["target"]},
+            "holdout_shards": holdout}
 
 
-def check_or_write_run_config(run: Path, config: dict, cfg: TrainConfig) -> None:
-    """A run folder holds one run: the same command resumes it, another config is refused."""
+def check_or_write_run_config(run: Path, config: dict, cfg: TrainConfig) -> dict:
+    """A run folder holds one run: the same command resumes it (with the shard lists it started with),
+    another config is refused. Returns the run's config."""
     path = run / "config.json"
     if path.exists():
         old = json.loads(path.read_text())
@@ -103,9 +106,10 @@ def check_or_write_run_config(run: Path, config: dict, cfg: TrainConfig) -> None
         if diffs:
             raise DflashError(f"--out {run} holds a run with another config (differs in {', '.join(diffs)}); "
                               f"use another --out")
-    else:
-        run.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_json_atomic(path, config)
+        return old
+    run.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_json_atomic(path, config)
+    return config
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
@@ -152,6 +156,13 @@ def compiled_graphs() -> int:
     return counters["stats"].get("unique_graphs", 0)
 
 
+def cudagraph_skips() -> int:
+    """Compiled graphs that inductor ran without CUDA graphs (silently slower)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"].get("cudagraph_skips", 0)
+
+
 # -- the loop -----------------------------------------------------------------------------------------
 
 
@@ -183,9 +194,11 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if len(train_shards) < d.world:
         raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
     run = Path(cfg.out)
-    if d.is_main:
-        check_or_write_run_config(run, run_config(cfg, dcfg, cache, holdout), cfg)
-    d.barrier()
+    config = None
+    if d.is_main:  # a resumed run keeps the shard lists it started with, whatever was committed since
+        config = check_or_write_run_config(run, run_config(cfg, dcfg, cache, train_shards, holdout), cfg)
+    config = d.broadcast(config)
+    train_shards, holdout = config.get("train_shards", train_shards), config["holdout_shards"]
 
     embed, head = cache.target_weights(device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(cfg.seed)
@@ -196,7 +209,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
 
     start = 0
-    ckpt = checkpoint.latest(run)
+    ckpt = d.broadcast(checkpoint.latest(run))  # rank 0's: every rank resumes from the same step
     if ckpt is not None:
         start = checkpoint.load(ckpt, drafter, optimizer)["step"]
         log(f"resuming {run} from step {start}")
@@ -209,7 +222,10 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
 
     module = LossModule(drafter, cfg, "flex" if cuda else "sdpa", autocast=cuda)
     if d.world > 1:
-        module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
+        # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
+        # them from the cache); DDP's default would sync with the host and broadcast them every step
+        module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
+                                                           broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
     loss_fn = torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module
 
@@ -275,6 +291,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                     record["mfu"] = n * flops / dt / (PEAK_TFLOPS * 1e12)
                     compiles_after_first = compiled_graphs() - graphs_after_first
                     record["recompiles"] = compiles_after_first
+                    record["cudagraph_skips"] = cudagraph_skips()
                 t_log, wait_log = now, loader.wait_s
                 bar.set_postfix_str(f"loss {record['loss']:.3f} acc1 {record['slot_acc'][0]:.2f}", refresh=False)
                 if d.is_main:
@@ -295,6 +312,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     log(f"{run}: trained to step {step} of {total}" + (f"; first step {first_step_s:.1f}s" if first_step_s else "")
         + (f"; recompiles after step 1: {compiles_after_first}" if compiled else ""))
     return {"steps": step, "resumed_at": start, "first_step_s": first_step_s, "recompiles": compiles_after_first,
+            "cudagraph_skips": cudagraph_skips() if compiled else 0,
             "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
 
 
@@ -329,8 +347,15 @@ class _Accumulator:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop log lines past the checkpoint so the log reads as one run."""
+    """On resume, drop log lines past the checkpoint (and a line torn by a crash) so the log reads as
+    one run. Replaced atomically: a kill here loses nothing."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    checkpoint.write_text_atomic(path, "".join(line + "\n" for line in keep))

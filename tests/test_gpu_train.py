@@ -63,7 +63,8 @@ def test_compiled_training_never_recompiles(tmp_path):
     cfg = build_config(TrainConfig, preset, "train", {"cache": str(cache), "out": str(run), "max_steps": 12,
                                                       "log_every": 4, "compile": "yes", "holdout_shards": 2})
     stats = train(cfg)
-    assert stats["steps"] == 12 and stats["recompiles"] == 0
+    assert stats["steps"] == 12 and stats["recompiles"] == 0 and stats["cudagraph_skips"] == 0
+    assert train(cfg)["steps"] == 12  # loads the checkpoint (tensor lr) and finds nothing to do
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(line.get("recompiles", 0) == 0 for line in lines)
     assert all(line["loss"] == line["loss"] for line in lines if "loss" in line)  # no NaN
