@@ -62,7 +62,7 @@ def read_rows(paths: list[str], limit: int | None = None, per_file: dict[str, in
     `per_file` (if given) receives the row count of each file, by resolved path."""
     row_id = 0
     for p in paths:
-        reader = _parquet_rows if p.endswith(".parquet") else _jsonl_rows
+        reader = _parquet_rows if p.endswith(".parquet") else jsonl_rows
         key = str(Path(p).resolve())
         for where, record in reader(p):
             if limit is not None and row_id >= limit:
@@ -74,7 +74,7 @@ def read_rows(paths: list[str], limit: int | None = None, per_file: dict[str, in
                 per_file[key] = per_file.get(key, 0) + 1
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

@@ -26,9 +26,9 @@ class Inputs:
     """The tensors one step reads: fixed shapes, fixed addresses (the compiled graph's static inputs)."""
 
     hidden: torch.Tensor  # [L, T, H] bf16: layer-major, as the cache's chunks are (one read per chunk)
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int32 (as cached; the step widens it)
     loss_mask: torch.Tensor  # [T] uint8
-    target_ids: torch.Tensor  # [T] int64
+    target_ids: torch.Tensor  # [T] int32
     doc_lens: torch.Tensor  # [D] int32
 
     @staticmethod

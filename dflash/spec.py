@@ -111,10 +111,10 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Prompts from JSONL: `messages` rows (up to the last user turn, with the generation prompt) or
     `prompt` / `text` rows (raw text)."""
-    from dflash.data import _jsonl_rows
+    from dflash.data import jsonl_rows
 
     prompts = []
-    for where, row in _jsonl_rows(path):
+    for where, row in jsonl_rows(path):
         if "messages" in row:
             msgs = row["messages"]
             last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
