@@ -21,6 +21,7 @@ import json
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,34 @@ def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarra
         cache.write_shard(s, hidden, ids, mask, rng.integers(1, V, T, dtype=np.int32))
 
 
+def profiled(out: Path, wait: int = 6, active: int = 3):
+    """Profile `active` steps of the next run (after `wait` steps): the kernel table goes to `out`."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from dflash import loader as loaderlib
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=wait, warmup=1, active=active, repeat=1),
+                   on_trace_ready=lambda p: out.write_text(p.key_averages().table(sort_by="cuda_time_total",
+                                                                                   row_limit=40)))
+    plain_iter = loaderlib.ShardLoader.__iter__
+
+    def iter_and_step(self):
+        for item in plain_iter(self):
+            yield item
+            prof.step()
+
+    class Ctx:
+        def __enter__(self):
+            prof.start()
+            loaderlib.ShardLoader.__iter__ = iter_and_step
+
+        def __exit__(self, *exc):
+            loaderlib.ShardLoader.__iter__ = plain_iter
+            prof.stop()
+    return Ctx()
+
+
 def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: str, log_every: int,
         device: str = "cuda") -> dict:
     out = work / f"run-{name}"
@@ -100,7 +129,7 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
            "input_wait": float(np.mean([x["input_wait"] for x in steady])),
            "useful_draft_tokens_per_s": float(np.mean([x["trained_slots_per_step"] for x in steady])) * tok_s / T,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, "wall_s": wall,
-           "final_loss": lines[-1]["loss"]}
+           "final_loss": lines[-1]["loss"], "cudagraph_skips": stats["cudagraph_skips"]}
     shutil.rmtree(out, ignore_errors=True)
     log(json.dumps(res))
     return res
@@ -112,6 +141,7 @@ def main():
     p.add_argument("--work", default="/tmp/bench-train")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--eager-steps", type=int, default=6)
+    p.add_argument("--runs", default="a,b,c,a-eager,b-eager,a-profile")
     p.add_argument("--smoke", action="store_true", help="toy widths, to check this script on a CPU")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
@@ -141,18 +171,38 @@ def main():
         run("smoke", work / "cchat", work, 64, 6, "no", 2, device="cpu")
         return
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["a_T12288"] = run("a", work / "c12288", work, 2048, args.steps, "yes", 5)
-    res["b_T3072"] = run("b", work / "c3072", work, 512, args.steps, "yes", 5)
-    res["c_chat"] = run("c", work / "cchat", work, 2048, args.steps, "yes", 5)
-    res["a_eager"] = run("a-eager", work / "c12288", work, 2048, args.eager_steps, "no", 2)
-    res["b_eager"] = run("b-eager", work / "c3072", work, 512, args.eager_steps, "no", 2)
-    (out / "results_train.json").write_text(json.dumps(res, indent=2))
-    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | peak GB | input wait | useful draft tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for k in ("a_T12288", "b_T3072", "c_chat", "a_eager", "b_eager"):
-        r = res[k]
+    plans = {"a": ("a_T12288", "c12288", 2048, args.steps, "yes", 5),
+             "b": ("b_T3072", "c3072", 512, args.steps, "yes", 5),
+             "c": ("c_chat", "cchat", 2048, args.steps, "yes", 5),
+             "a-eager": ("a_eager", "c12288", 2048, args.eager_steps, "no", 2),
+             "b-eager": ("b_eager", "c3072", 512, args.eager_steps, "no", 2),
+             "a-profile": ("a_profile", "c12288", 2048, 10, "yes", 5)}
+    for name in args.runs.split(","):
+        key, c, anchors, steps, compile_, every = plans[name]
+        try:
+            if name.endswith("profile"):
+                with profiled(out / f"profile_{key}.txt"):
+                    res[key] = run(name, work / c, work, anchors, steps, compile_, every)
+            else:
+                res[key] = run(name, work / c, work, anchors, steps, compile_, every)
+        except Exception as e:  # keep going: one device call should tell as much as it can
+            traceback.print_exc()
+            res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        (out / "results_train.json").write_text(json.dumps(res, indent=2))
+    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | cudagraph skips | peak GB | input wait "
+          "| useful draft tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, r in res.items():
+        if not isinstance(r, dict):
+            continue
+        if "error" in r:
+            print(f"| {k} | error: {r['error'][:200]} |")
+            continue
         print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['first_step_s']:.1f} | "
-              f"{r['recompiles']} | {r['peak_mem_gb']:.1f} | {r['input_wait']:.1%} | {r['useful_draft_tokens_per_s']:,.0f} |")
+              f"{r['recompiles']} | {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} | {r['input_wait']:.1%} | "
+              f"{r['useful_draft_tokens_per_s']:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,10 @@ def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
         ctx_ok = (doc_id[kv.clamp(max=T - 1)] == anchor_doc[a]) & (kv < anchors[a])
         return torch.where(in_ctx, ctx_ok, (kv - T) // B == a)
 
-    return create_block_mask(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device)
+    # outside a compiled step (eager GPU), compile the mask's own build: eagerly it would materialise
+    # [A*B, T+A*B] index tensors
+    return create_block_mask(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device,
+                             _compile=anchors.is_cuda and not torch.compiler.is_compiling())
 
 
 def sdpa_attention(mask: torch.Tensor):
@@ -121,11 +124,23 @@ def sdpa_attention(mask: torch.Tensor):
     return attend
 
 
+_flex_kernel = None
+
+
 def flex_attention_fn(block_mask):
+    """Inside a compiled step flex_attention fuses into it; eagerly (GPU only) it is compiled alone, as
+    SpecForge and the flex docs do: uncompiled it materialises the whole score matrix."""
+    global _flex_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
+    kernel = flex_attention
+    if block_mask.kv_indices.is_cuda and not torch.compiler.is_compiling():
+        if _flex_kernel is None:
+            _flex_kernel = torch.compile(flex_attention, dynamic=False)
+        kernel = _flex_kernel
+
     def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
     return attend
 
 
