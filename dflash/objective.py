@@ -140,7 +140,8 @@ def flex_attention_fn(block_mask):
         kernel = _flex_kernel
 
     def attend(q, k, v):
-        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
+        # BACKEND TRITON: the training kernel even when few queries would pick the decoding one
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "TRITON"})
     return attend
 
 

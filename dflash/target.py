@@ -114,6 +114,8 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DflashError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    if dev.type == "cuda" and dev.index is None:  # a plain `cuda`: this rank's GPU
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return dev
 
 
