@@ -40,6 +40,13 @@ QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads
             "rope_theta": 1000000.0, "max_position_embeddings": 40960, "model_type": "qwen3",
             "dflash_mask_token_id": 151669}
 LAYERS = [1, 9, 17, 25, 33]
+# run: (result key, cache, anchors, steps (None: --steps / --eager-steps), compile, log every)
+PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5),
+         "b": ("b_T3072", "c3072", 512, None, "yes", 5),
+         "c": ("c_chat", "cchat", 2048, None, "yes", 5),
+         "a-eager": ("a_eager", "c12288", 2048, None, "no", 2),
+         "b-eager": ("b_eager", "c3072", 512, None, "no", 2),
+         "a-profile": ("a_profile", "c12288", 2048, 10, "yes", 5)}
 
 
 def log(*a):
@@ -156,29 +163,29 @@ def main():
         device = "cpu"
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    n_long = 4 * 6  # 6 shards of 4 x 3072
-    synthetic_cache(work / "c12288", np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8, dims, device)
-    synthetic_cache(work / "c3072", np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1, dims, device)
     lens = np.clip(rng.lognormal(np.log(700), 0.8, 140), 64, 3072).astype(np.int64)
     masks = []
     for n in lens:
         m = np.ones(n, np.uint8)
         m[: int(n * rng.uniform(0.15, 0.35))] = 0
         masks.append(m)
-    synthetic_cache(work / "cchat", lens, masks, 12288, 64, dims, device)
+    n_long = 4 * 6  # 6 shards of 4 x 3072
+    caches = {"c12288": (np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8),
+              "c3072": (np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1),
+              "cchat": (lens, masks, 12288, 64)}
+    runs = ["smoke"] if args.smoke else args.runs.split(",")
+    for name, spec in caches.items():
+        if args.smoke or any(PLANS[r][1] == name for r in runs):
+            synthetic_cache(work / name, *spec, dims, device)
     log(f"synthetic caches written in {time.perf_counter() - t0:.0f}s")
     if args.smoke:  # the run path too, eagerly on the CPU
         run("smoke", work / "cchat", work, 64, 6, "no", 2, device="cpu")
         return
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    plans = {"a": ("a_T12288", "c12288", 2048, args.steps, "yes", 5),
-             "b": ("b_T3072", "c3072", 512, args.steps, "yes", 5),
-             "c": ("c_chat", "cchat", 2048, args.steps, "yes", 5),
-             "a-eager": ("a_eager", "c12288", 2048, args.eager_steps, "no", 2),
-             "b-eager": ("b_eager", "c3072", 512, args.eager_steps, "no", 2),
-             "a-profile": ("a_profile", "c12288", 2048, 10, "yes", 5)}
-    for name in args.runs.split(","):
-        key, c, anchors, steps, compile_, every = plans[name]
+    for name in runs:
+        key, c, anchors, steps, compile_, every = PLANS[name]
+        if steps is None:
+            steps = args.steps if compile_ == "yes" else args.eager_steps
         try:
             if name.endswith("profile"):
                 with profiled(out / f"profile_{key}.txt"):

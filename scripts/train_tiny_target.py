@@ -122,9 +122,11 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step == 20 and args.max_steps is None:
-            per_step = (time.time() - start) / 20
-            est_steps = int(budget / per_step)
+        if step == 10:
+            t10 = time.time()  # past the compile
+        if step == 40 and args.max_steps is None:  # host sync (loss.item) below is only at evals
+            per_step = (time.time() - t10) / 30
+            est_steps = 40 + int((budget - (time.time() - start)) / per_step)
             print(f"~{per_step * 1e3:.0f} ms/step: {est_steps} steps in {args.minutes} min", flush=True)
         if step % args.eval_every == 0 or step == est_steps:
             held = held_out_loss(model, held_tokens, args.seq, device)
@@ -147,7 +149,8 @@ def main():
               "train_tokens_seen": step * args.batch * args.seq, "corpus_train_tokens": int(len(train_tokens)),
               "held_out_tokens": int(len(held_tokens)), "held_out_loss": held, "best_step": best_step, "steps": step,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "log": log}
+              "python": sysconfig.get_python_version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "log": log}
     (out / "TRAINING.json").write_text(json.dumps(record, indent=2))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"saved {out} ({size / 1e6:.1f} MB, {n_params / 1e6:.1f} M parameters)")
