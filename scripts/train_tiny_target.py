@@ -9,7 +9,8 @@ and config there and records how they were made in data/tiny-target/TRAINING.jso
 
 Held-out: every 20th stdlib file (by sorted path) is kept out of training; its loss is measured every
 `--eval-every` steps and the weights with the best held-out loss are the ones saved (the corpus is small:
-a long run overfits).
+a long run overfits: on the H200 an epoch takes ~3 s, so `--epochs` rather than `--minutes`). The stdlib's
+file set differs between Python builds (the GPU machine's is slim): `--corpus` carries one build's tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ def corpus(tokenizer) -> tuple[np.ndarray, np.ndarray, int]:
     return np.concatenate(train), np.concatenate(held), len(files)
 
 
+def load_corpus(path: str | None, tokenizer) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """The corpus from `path` (.npz) when it exists, else built from this Python's stdlib (and saved
+    to `path` if given): the file set differs between Python builds, so a corpus travels as a file."""
+    if path and Path(path).exists():
+        z = np.load(path)
+        return z["train"], z["held"], int(z["files"]), str(z["python"])
+    train, held, files = corpus(tokenizer)
+    if path:
+        np.savez(path, train=train.astype(np.uint16), held=held.astype(np.uint16), files=files,
+                 python=sysconfig.get_python_version())
+    return train, held, files, sysconfig.get_python_version()
+
+
 def batches(tokens: np.ndarray, seq: int, batch: int, rng: np.random.Generator):
     """Random windows of seq+1 tokens, forever."""
     while True:
@@ -72,14 +86,17 @@ def held_out_loss(model, tokens: np.ndarray, seq: int, device, max_windows: int 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=4.0, help="training time budget (unless --epochs)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the corpus (replaces --minutes)")
+    p.add_argument("--corpus", default=None, help=".npz of tokens: loaded if it exists, else built and saved")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--patience", type=int, default=10, help="stop after this many evals without a better held-out loss")
     p.add_argument("--smoke", action="store_true", help="a few CPU steps at toy size")
     args = p.parse_args()
     if args.smoke:
@@ -87,8 +104,9 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-target")
     t0 = time.time()
-    train_tokens, held_tokens, n_files = corpus(tok)
-    print(f"corpus: {n_files} files, {len(train_tokens):,} train / {len(held_tokens):,} held-out tokens "
+    train_tokens, held_tokens, n_files, corpus_python = load_corpus(args.corpus, tok)
+    train_tokens, held_tokens = train_tokens.astype(np.int32), held_tokens.astype(np.int32)
+    print(f"corpus (Python {corpus_python} stdlib): {n_files} files, {len(train_tokens):,} train / {len(held_tokens):,} held-out tokens "
           f"({time.time() - t0:.0f}s)", flush=True)
     config = Qwen3Config(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64 or 1,
@@ -106,6 +124,8 @@ def main():
     budget = args.minutes * 60
     # the schedule needs a length: estimate it from the first 20 steps' speed
     est_steps, step, start, log = args.max_steps or 10**9, 0, time.time(), []
+    if args.epochs and not args.max_steps:
+        est_steps = int(args.epochs * len(train_tokens) / (args.batch * args.seq))
     best = (float("inf"), 0, None)
     while step < est_steps:
         x = next(data).to(device, non_blocking=True)
@@ -124,7 +144,7 @@ def main():
         step += 1
         if step == 10:
             t10 = time.time()  # past the compile
-        if step == 40 and args.max_steps is None:  # host sync (loss.item) below is only at evals
+        if step == 40 and args.max_steps is None and args.epochs is None:  # host sync (loss.item) below is only at evals
             per_step = (time.time() - t10) / 30
             est_steps = 40 + int((budget - (time.time() - start)) / per_step)
             print(f"~{per_step * 1e3:.0f} ms/step: {est_steps} steps in {args.minutes} min", flush=True)
@@ -134,6 +154,9 @@ def main():
             print(json.dumps(log[-1]), flush=True)
             if held < best[0]:
                 best = (held, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            elif step - best[1] >= args.patience * args.eval_every:
+                print(f"held-out loss has not improved for {args.patience} evals: stopping", flush=True)
+                break
     held, best_step, state = best
     model.load_state_dict(state)
     print(f"best held-out loss {held:.3f} at step {best_step} of {step} ({step * args.batch * args.seq:,} tokens seen)",
@@ -147,9 +170,9 @@ def main():
     record = {"what": "Qwen3ForCausalLM trained on the CPython standard library's .py sources",
               "script": "scripts/train_tiny_target.py", "args": vars(args), "parameters": n_params,
               "train_tokens_seen": step * args.batch * args.seq, "corpus_train_tokens": int(len(train_tokens)),
-              "held_out_tokens": int(len(held_tokens)), "held_out_loss": held, "best_step": best_step, "steps": step,
+              "held_out_tokens": int(len(held_tokens)), "corpus_python": corpus_python, "held_out_loss": held, "best_step": best_step, "steps": step,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "python": sysconfig.get_python_version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "log": log}
     (out / "TRAINING.json").write_text(json.dumps(record, indent=2))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
