@@ -2,8 +2,10 @@
 """Build `data/tiny-target/`: a tiny Qwen3 causal LM with its own byte-level BPE tokenizer.
 
 The folder is the embedded default target model: small enough to commit, loadable offline with
-`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. Its weights are a seeded
-random init for now.
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. The weights it writes are a
+seeded random init of the first, 128-wide shape; the committed weights (hidden 256, trained on the
+stdlib) come from `scripts/train_tiny_target.py`, which reuses this tokenizer. Running this script
+replaces them and the model card.
 
 - Tokenizer: byte-level BPE (vocab 4096 including the special tokens) trained with `tokenizers` on
   the first 16 KiB of every `.py` file of the running Python's standard library (test packages,

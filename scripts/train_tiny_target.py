@@ -30,12 +30,18 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 REPO = Path(__file__).resolve().parent.parent
 SKIP = ("idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "encodings", "site-packages", "pydoc_data",
         "__pycache__")
+HELD_OUT_EVERY = 20
+
+
+def stdlib_files() -> list[Path]:
+    """The corpus's files in their fixed order; file i is held out when i % HELD_OUT_EVERY == 0."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not any(part in SKIP for part in p.relative_to(root).parts))
 
 
 def corpus(tokenizer) -> tuple[np.ndarray, np.ndarray, int]:
     """(train tokens, held-out tokens, files) of the stdlib's .py sources; documents end with <|endoftext|>."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not any(part in SKIP for part in p.relative_to(root).parts))
+    files = stdlib_files()
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     train, held = [], []
     for i, p in enumerate(files):
@@ -44,7 +50,7 @@ def corpus(tokenizer) -> tuple[np.ndarray, np.ndarray, int]:
         except (UnicodeDecodeError, OSError):
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
-        (held if i % 20 == 0 else train).append(np.asarray(ids, np.int32))
+        (held if i % HELD_OUT_EVERY == 0 else train).append(np.asarray(ids, np.int32))
     return np.concatenate(train), np.concatenate(held), len(files)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_TARGET, bf16_bits_to_float, committed, extract_args, read_arrays,
+from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_HIDDEN, TINY_TARGET, TINY_VOCAB, bf16_bits_to_float, committed, extract_args, read_arrays,
                       rel_err, run_in_process, sample_rows, write_jsonl)
 from dflash.cache import Cache, CorruptShardError, info, read_manifest, verify
 from dflash.data import DROP_REASONS
@@ -32,7 +32,7 @@ def model():
 
 def test_arrays_and_manifest_follow_the_contract(cache_dir):
     m = read_manifest(cache_dir)
-    S, T, D, L, H = m["num_shards"], 512, 8, 3, 128
+    S, T, D, L, H = m["num_shards"], 512, 8, 3, TINY_HIDDEN
     assert m["layer_ids"] == [1, 2, 3] and m["token_budget"] == T and m["max_docs"] == D and m["hidden_size"] == H
     expected = {"hidden": ((S, T, L, H), "uint16", (1, T, 1, H)), "input_ids": ((S, T), "int32", (1, T)),
                 "loss_mask": ((S, T), "uint8", (1, T)), "target_ids": ((S, T), "int32", (1, T)),
@@ -155,7 +155,7 @@ def test_reader_opens_a_layer_subset_and_reads_only_its_chunks(cache_dir, tmp_pa
         p.unlink()
     sub = Cache(copy, layers=[1, 3])
     shard = sub.read_shard(0)
-    assert shard.hidden.shape == (512, 2, 128)
+    assert shard.hidden.shape == (512, 2, TINY_HIDDEN)
     assert np.array_equal(shard.hidden, full.hidden[:, [0, 2]])
     assert np.array_equal(shard.input_ids, full.input_ids) and np.array_equal(shard.row_ids, full.row_ids)
     with pytest.raises(CorruptShardError, match="shard 0 is corrupt .*hidden layer 2"):
@@ -203,8 +203,10 @@ def test_cache_info_and_ls(cache_dir):
     assert i["complete"] and i["shards"] == {"committed": m["num_shards"], "total": m["num_shards"]}
     assert i["rows"]["total"] == 60 and i["tokens"]["committed"] == m["stats"]["tokens"]
     assert 0.5 < i["fill_ratio"] <= 1 and i["fill_ratio"] == m["stats"]["tokens"] / (m["num_shards"] * 512)
-    hidden_bytes = 3 * 128 * 2  # per position
-    assert hidden_bytes / i["fill_ratio"] < i["bytes_per_token"] < 1.5 * hidden_bytes / i["fill_ratio"] + 2e6 / m["stats"]["tokens"] * 2
+    hidden_bytes = 3 * TINY_HIDDEN * 2  # per position
+    weights_bytes = 2 * TINY_VOCAB * TINY_HIDDEN * 2  # the target's embeddings + LM head, bf16
+    assert hidden_bytes / i["fill_ratio"] < i["bytes_per_token"] < (
+        1.5 * hidden_bytes / i["fill_ratio"] + 1.1 * weights_bytes / m["stats"]["tokens"])
     out = run_in_process(["cache", "info", str(cache_dir), "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["cache_key"] == m["cache_key"]
     text = run_in_process(["cache", "info", str(cache_dir)]).output
@@ -277,7 +279,7 @@ def test_the_data_readme_reader_snippet_runs(cache_dir):
     snippet = readme.split("### Reading a cache without dflash")[1].split("```python")[1].split("```")[0]
     scope = {}
     exec(snippet.replace("CACHE", str(cache_dir)).replace("index(17)", "index(2)"), scope)
-    assert scope["h"].shape == (512, 128) and scope["h"].dtype == torch.bfloat16
+    assert scope["h"].shape == (512, TINY_HIDDEN) and scope["h"].dtype == torch.bfloat16
     expected = Cache(cache_dir, layers=[2]).read_shard(0).hidden[:, 0]
     assert np.array_equal(scope["h"].view(torch.int16).numpy().view(np.uint16), expected)
 
