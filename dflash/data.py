@@ -1,7 +1,8 @@
 """Input reading: JSONL / Parquet rows -> tokenized documents with a loss mask.
 
-A row is `{"text": ...}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}` rendered
-with the target tokenizer's chat template (loss only on assistant tokens). Its row id is its global
+A row is `{"text": ...}` (loss on every token), `{"prompt": ..., "completion": ...}` (the two texts joined,
+loss on the completion's tokens) or `{"messages": [{"role", "content"}, ...]}` rendered with the target
+tokenizer's chat template (loss only on assistant tokens). Its row id is its global
 index: files are read in the given order and every non-blank JSONL line / Parquet row is one row.
 """
 
@@ -105,11 +106,15 @@ def _check_row(record, where: str) -> None:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
         ):
             raise DflashError(f"{where}: 'messages' must be a list of {{\"role\": str, \"content\": str}}")
+    elif "completion" in record:
+        if not (isinstance(record.get("prompt"), str) and isinstance(record["completion"], str)):
+            raise DflashError(f"{where}: 'prompt' and 'completion' must both be strings")
     elif "text" in record:
         if not isinstance(record["text"], str):
             raise DflashError(f"{where}: 'text' must be a string")
     else:
-        raise DflashError(f"{where}: row has neither 'text' nor 'messages' (keys: {', '.join(sorted(record)) or 'none'})")
+        raise DflashError(f"{where}: row has none of 'text', 'messages', 'prompt'+'completion' "
+                          f"(keys: {', '.join(sorted(record)) or 'none'})")
 
 
 class Tokenizer:
@@ -129,6 +134,9 @@ class Tokenizer:
         for row in rows:
             if "messages" in row.record:
                 text, row_spans = self._render(row)
+            elif "completion" in row.record:  # loss on the completion only
+                prompt = row.record["prompt"]
+                text, row_spans = prompt + row.record["completion"], [(len(prompt), len(prompt) + len(row.record["completion"]))]
             else:
                 text, row_spans = row.record["text"], None  # None: every token is trained on
             texts.append(text)

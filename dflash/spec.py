@@ -9,7 +9,9 @@ target's plain greedy decoding: `lossless` checks it prompt by prompt.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +110,29 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return tokens
 
 
+def ngram_accepted(tokens: list[int], start: int, block_size: int, max_n: int = 3) -> list[int]:
+    """Accepted draft tokens per cycle of prompt-lookup decoding replayed over a greedy output
+    `tokens[start:]` (the prompt before it): each cycle copies the B-1 tokens that followed the latest
+    earlier occurrence of the last n known tokens (n = max_n..1). Greedy output is fixed, so this is
+    exactly the tau that drafter would earn online: the baseline a trained drafter must beat on
+    repetitive text."""
+    accepted, n = [], start + 1  # the first new token is the target's own (prefill)
+    while n < len(tokens):
+        proposal = []
+        for k in range(min(max_n, n), 0, -1):
+            key = tokens[n - k : n]
+            j = next((j for j in range(n - k - 1, -1, -1) if tokens[j : j + k] == key), None)
+            if j is not None:
+                proposal = tokens[j + k : min(j + k + block_size - 1, n)]
+                break
+        a = 0
+        while a < len(proposal) and n + a < len(tokens) and proposal[a] == tokens[n + a]:
+            a += 1
+        accepted.append(a)
+        n += a + 1
+    return accepted
+
+
 def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Prompts from JSONL: `messages` rows (up to the last user turn, with the generation prompt) or
     `prompt` / `text` rows (raw text)."""
@@ -135,7 +160,10 @@ def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[in
 
 
 def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: int = 128, limit: int | None = None,
-             device: str = "auto", dtype: str = "auto", log=print) -> dict:
+             device: str = "auto", dtype: str = "auto", save_outputs: str | None = None, log=print) -> dict:
+    """Decode every prompt speculatively and with the target alone; `save_outputs`: a JSONL of
+    {"prompt", "completion"} rows (the target's answers: a cache of them gives the offline tau to
+    compare)."""
     from dflash.evaluate import load_drafter
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
@@ -150,7 +178,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     target_greedy(target, prompts[0][:8], 4, eos)
     t_spec = t_base = 0.0
     n_spec = n_base = 0
-    accepted, mismatches = [], []
+    accepted, mismatches, ngram, outputs = [], [], [], []
     for i, prompt in enumerate(prompts):
         _sync(dev)
         t0 = time.perf_counter()
@@ -162,11 +190,17 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
         t2 = time.perf_counter()
         t_spec, t_base, n_spec, n_base = t_spec + t1 - t0, t_base + t2 - t1, n_spec + len(spec), n_base + len(base)
         accepted += acc
+        ngram += ngram_accepted(prompt + base, len(prompt), drafter.cfg.block_size)
+        outputs.append({"prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(base)})
         if spec != base:
             mismatches.append(i)
+    if save_outputs:
+        Path(save_outputs).parent.mkdir(parents=True, exist_ok=True)
+        Path(save_outputs).write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
     B = drafter.cfg.block_size
     per_position = [sum(a >= k for a in accepted) / max(len(accepted), 1) for k in range(1, B)]
     return {"tau": sum(a + 1 for a in accepted) / max(len(accepted), 1), "lossless": not mismatches,
+            "ngram_tau": sum(a + 1 for a in ngram) / max(len(ngram), 1),
               "speedup": (n_spec / t_spec) / (n_base / t_base), "per_position": per_position,
               "spec_tokens_per_s": n_spec / t_spec, "target_tokens_per_s": n_base / t_base,
               "prompts": len(prompts), "new_tokens": n_spec, "cycles": len(accepted), "mismatched_prompts": mismatches,

@@ -23,6 +23,16 @@ def test_text_rows_train_on_every_token(tok, tmp_path):
     assert tok.decode(doc.input_ids) == "def f(x):\n    return x + 1  # é"
 
 
+def test_prompt_completion_rows_train_only_on_the_completion(tok, tmp_path):
+    row = {"prompt": "def area(r):\n    \"\"\"Area of a circle.\"\"\"\n", "completion": "    return 3.14159 * r * r\n"}
+    (doc,) = _docs(tok, [row], tmp_path)
+    assert tok.decode(doc.input_ids) == row["prompt"] + row["completion"]
+    trained, untrained = (tok.decode(doc.input_ids[doc.loss_mask == v]) for v in (1, 0))
+    # a token that straddles the boundary ("\n    ") overlaps the completion: trained
+    assert trained.endswith(row["completion"]) and row["prompt"].startswith(untrained)
+    assert untrained + trained == row["prompt"] + row["completion"] and len(untrained) > 20
+
+
 def test_chat_rows_train_only_on_assistant_turns_and_their_end(tok, tmp_path):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
             {"role": "assistant", "content": "Four, said the machine."}, {"role": "user", "content": "And 3+3?"},
@@ -57,7 +67,8 @@ def test_row_ids_run_across_files_and_skip_blank_lines(tmp_path):
 
 @pytest.mark.parametrize("line,message", [
     ('{"text": "ok"', r"bad.jsonl:2: malformed JSON"),
-    ('{"txt": "ok"}', r"bad.jsonl:2: row has neither 'text' nor 'messages' \(keys: txt\)"),
+    ('{"txt": "ok"}', r"bad.jsonl:2: row has none of 'text', 'messages', 'prompt'\+'completion' \(keys: txt\)"),
+    ('{"completion": "ok"}', r"bad.jsonl:2: 'prompt' and 'completion' must both be strings"),
     ('{"messages": [{"role": "user"}]}', r"bad.jsonl:2: 'messages' must be a list"),
     ('[1, 2]', r"bad.jsonl:2: a row must be a JSON object"),
     ('{"text": 5}', r"bad.jsonl:2: 'text' must be a string"),

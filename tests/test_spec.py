@@ -92,8 +92,22 @@ def test_spec_cli_reports_tau_lossless_and_speedup(tmp_path):
     rows = [json.loads(x) for x in SAMPLE_CHAT.read_text().splitlines()[-4:]]
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": r["messages"][:-1]} for r in rows])
     out = run_in_process(["spec", "--target", str(TINY_TARGET), "--drafter", str(export), "--prompts", str(prompts),
-                          "--max-new-tokens", "24", "--device", "cpu", "--json"])
+                          "--max-new-tokens", "24", "--device", "cpu", "--json",
+                          "--save-outputs", str(tmp_path / "answers.jsonl")])
     assert out.exit_code == 0, out.output
     r = json.loads(out.output.strip().splitlines()[-1])
-    assert r["lossless"] is True and r["prompts"] == 4 and 1.0 <= r["tau"] <= 16
+    assert r["lossless"] is True and r["prompts"] == 4 and 1.0 <= r["tau"] <= 16 and 1.0 <= r["ngram_tau"] <= 16
     assert len(r["per_position"]) == 15 and r["speedup"] > 0
+    answers = [json.loads(x) for x in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 and all(a["prompt"].endswith("<|im_start|>assistant\n") and a["completion"] for a in answers)
+
+
+def test_ngram_baseline_copies_what_followed_the_latest_match():
+    from dflash.spec import ngram_accepted
+
+    prompt = [1, 2, 3, 4]
+    # 1 is the prefill's token; [1] matched at 0 -> copies 2 3 4 1 (all right); then [4, 1, 2] matched at 3 ->
+    # copies 3 4 1 2, of which 3 4 are right before the output ends
+    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 16) == [4, 2]
+    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 3) == [2, 2, 1]  # B-1 = 2 per cycle, then the end
+    assert ngram_accepted([5, 6, 7, 8, 9], 2, 4) == [0, 0]  # nothing repeats: one token per cycle
