@@ -42,7 +42,8 @@ def demo(out, steps, prompts, device):
     offline = evaluate(str(run_dir), str(cache_dir), device=device, max_anchors=512)
     export(run_dir, Path(out) / "drafter")
     online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"),
-                      str(REPO / "data" / "sample" / "prompts.jsonl"), 64, limit=prompts, device=device)
+                      str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=prompts, device=device)
     click.echo(f"tau offline {offline['tau']:.2f} ({len(offline['shards'])} held-out shards) | "
-               f"tau online {online['tau']:.2f} ({online['prompts']} prompts, lossless: {online['lossless']}) | "
-               f"speedup {online['speedup']:.2f}x; curves: dflash plot {run_dir}")
+               f"tau online {online['tau']:.2f} ({online['prompts']} held-out prompts, lossless: {online['lossless']}; "
+               f"n-gram copy baseline {online['ngram_tau']:.2f}) | speedup {online['speedup']:.2f}x; "
+               f"curves: dflash plot {run_dir}")

@@ -22,7 +22,7 @@ PRESET = str(REPO / "configs" / "tiny.toml")
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory) -> Path:
-    """The tiny preset's cache, on the first 300 rows (about 40 shards of 2048 tokens)."""
+    """The tiny preset's cache, on the first 300 rows (about 80 shards of 1024 tokens)."""
     out = tmp_path_factory.mktemp("tiny") / "cache"
     result = run_in_process(["extract", "--config", PRESET, "--out", str(out), "--device", "cpu", "--limit", "300"])
     assert result.exit_code == 0, result.output
@@ -139,8 +139,8 @@ def test_plot_draws_a_png(trained_run):
 
 @pytest.mark.parametrize("case,message", [
     ("layers", r"layers \[4\] are not in the cache"),
-    ("block", r"--block-size 4096 does not fit shards of 2048 tokens"),
-    ("anchors", r"--num-anchors 3000 is more than the 2048 positions"),
+    ("block", r"--block-size 4096 does not fit shards of 1024 tokens"),
+    ("anchors", r"--num-anchors 3000 is more than the 1024 positions"),
     ("mask", r"--mask-token-id 99999 is outside the target's vocabulary"),
     ("empty", r"no committed shard yet"),
     ("not_a_cache", r"not a dflash cache"),
@@ -229,7 +229,7 @@ def test_follow_trains_on_shards_as_they_are_committed(tmp_path, tiny_cache):
 def test_eval_refuses_a_drafter_of_another_target(trained_run, tmp_path):
     from conftest import extract_args, sample_rows, tiny_qwen3_next, write_jsonl
 
-    target = tiny_qwen3_next(tmp_path / "other-target")  # hidden 64, not the tiny target's 128
+    target = tiny_qwen3_next(tmp_path / "other-target")  # hidden 64, not the tiny target's 256
     data = write_jsonl(tmp_path / "d.jsonl", sample_rows(4, 0))
     other = tmp_path / "other-cache"
     assert run_in_process(extract_args(data, other, target=target, layers="0,1,2")).exit_code == 0
