@@ -17,6 +17,7 @@ count), first-step time, recompiles, peak memory, input wait.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -174,6 +175,9 @@ def main():
               "c3072": (np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1),
               "cchat": (lens, masks, 12288, 64)}
     runs = ["smoke"] if args.smoke else args.runs.split(",")
+    unknown = [r for r in runs if r not in PLANS and not args.smoke]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(PLANS)})")
     for name, spec in caches.items():
         if args.smoke or any(PLANS[r][1] == name for r in runs):
             synthetic_cache(work / name, *spec, dims, device)
@@ -187,10 +191,7 @@ def main():
         if steps is None:
             steps = args.steps if compile_ == "yes" else args.eager_steps
         try:
-            if name.endswith("profile"):
-                with profiled(out / f"profile_{key}.txt"):
-                    res[key] = run(name, work / c, work, anchors, steps, compile_, every)
-            else:
+            with profiled(out / f"profile_{key}.txt") if name.endswith("profile") else contextlib.nullcontext():
                 res[key] = run(name, work / c, work, anchors, steps, compile_, every)
         except Exception as e:  # keep going: one device call should tell as much as it can
             traceback.print_exc()

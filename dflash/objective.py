@@ -100,6 +100,9 @@ def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Ten
     return torch.cat([ctx, own], dim=1)
 
 
+_mask_builder = None
+
+
 def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -112,10 +115,15 @@ def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
         ctx_ok = (doc_id[kv.clamp(max=T - 1)] == anchor_doc[a]) & (kv < anchors[a])
         return torch.where(in_ctx, ctx_ok, (kv - T) // B == a)
 
-    # outside a compiled step (eager GPU), compile the mask's own build: eagerly it would materialise
-    # [A*B, T+A*B] index tensors
-    return create_block_mask(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device,
-                             _compile=anchors.is_cuda and not torch.compiler.is_compiling())
+    global _mask_builder
+    build = create_block_mask
+    if anchors.is_cuda and not torch.compiler.is_compiling():
+        # outside a compiled step (eager GPU) the build is compiled alone: eagerly it would materialise
+        # [A*B, T+A*B] index tensors
+        if _mask_builder is None:
+            _mask_builder = torch.compile(create_block_mask, dynamic=False)
+        build = _mask_builder
+    return build(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device)
 
 
 def sdpa_attention(mask: torch.Tensor):

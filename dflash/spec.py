@@ -99,7 +99,10 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_
         kv = drafter.context_kv(new, torch.arange(n, n + a + 1, device=device))
         ctx_kv = [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1)) for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
         n, bonus = n + a + 1, int(choice[a])
-    return _cut(out, max_new, eos), accepted
+    out = _cut(out, max_new, eos)
+    if accepted:  # the last cycle may run past max_new or an end token: count only what it kept
+        accepted[-1] = len(out) - 2 - sum(a + 1 for a in accepted[:-1])
+    return out, accepted
 
 
 def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -111,10 +114,11 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 def ngram_accepted(tokens: list[int], start: int, block_size: int, max_n: int = 3) -> list[int]:
-    """Accepted draft tokens per cycle of prompt-lookup decoding replayed over a greedy output
-    `tokens[start:]` (the prompt before it): each cycle copies the B-1 tokens that followed the latest
-    earlier occurrence of the last n known tokens (n = max_n..1). Greedy output is fixed, so this is
-    exactly the tau that drafter would earn online: the baseline a trained drafter must beat on
+    """Accepted draft tokens per cycle of n-gram copy (prompt-lookup) decoding replayed over a greedy
+    output `tokens[start:]` (the prompt before it): each cycle copies the B-1 tokens that followed the
+    latest earlier occurrence of the last n known tokens, longest n first (n = max_n..1; transformers'
+    prompt lookup takes the earliest match, n <= 2). Greedy output is fixed, so this is exactly what
+    that drafter earns in `speculative_greedy` (tested): the baseline a trained drafter must beat on
     repetitive text."""
     accepted, n = [], start + 1  # the first new token is the target's own (prefill)
     while n < len(tokens):
@@ -128,7 +132,7 @@ def ngram_accepted(tokens: list[int], start: int, block_size: int, max_n: int = 
         a = 0
         while a < len(proposal) and n + a < len(tokens) and proposal[a] == tokens[n + a]:
             a += 1
-        accepted.append(a)
+        accepted.append(min(a, len(tokens) - n - 1))  # as speculative_greedy counts a cut last cycle
         n += a + 1
     return accepted
 

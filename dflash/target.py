@@ -110,7 +110,7 @@ def tokenizer_hash(tokenizer) -> tuple[str, str]:
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DflashError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")

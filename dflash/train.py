@@ -256,6 +256,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
         bar.write(f"step {at}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
 
     step, t_log, wait_log, first_step_s, compiles_after_first = start, time.perf_counter(), 0.0, None, 0
+    skips_before = cudagraph_skips()  # process-wide counter: report this run's
     try:
         for shard, inputs in loader:
             t0 = time.perf_counter()
@@ -291,7 +292,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
                     record["mfu"] = n * flops / dt / (PEAK_TFLOPS * 1e12)
                     compiles_after_first = compiled_graphs() - graphs_after_first
                     record["recompiles"] = compiles_after_first
-                    record["cudagraph_skips"] = cudagraph_skips()
+                    record["cudagraph_skips"] = cudagraph_skips() - skips_before
                 t_log, wait_log = now, loader.wait_s
                 bar.set_postfix_str(f"loss {record['loss']:.3f} acc1 {record['slot_acc'][0]:.2f}", refresh=False)
                 if d.is_main:
@@ -312,7 +313,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     log(f"{run}: trained to step {step} of {total}" + (f"; first step {first_step_s:.1f}s" if first_step_s else "")
         + (f"; recompiles after step 1: {compiles_after_first}" if compiled else ""))
     return {"steps": step, "resumed_at": start, "first_step_s": first_step_s, "recompiles": compiles_after_first,
-            "cudagraph_skips": cudagraph_skips() if compiled else 0,
+            "cudagraph_skips": cudagraph_skips() - skips_before if compiled else 0,
             "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
 
 

@@ -48,7 +48,9 @@ def headers(path: Path, root: Path) -> list[dict]:
         if node.end_lineno - doc.end_lineno < MIN_BODY_LINES:
             continue
         start = min([d.lineno for d in node.decorator_list] + [node.lineno])
-        text = textwrap.dedent("\n".join(lines[start - 1 : doc.end_lineno])) + "\n"
+        # ends at the docstring's closing quotes, no newline: the tokenizer merges a newline with the next
+        # line's indent, so a bare trailing newline would tell the target that the function has ended
+        text = textwrap.dedent("\n".join(lines[start - 1 : doc.end_lineno]))
         if MIN_HEADER <= len(text) <= MAX_HEADER:
             out.append({"text": text, "source": f"{path.relative_to(root)}:{node.lineno}:{node.name}"})
     return out

@@ -128,7 +128,7 @@ def main():
     step_fn = torch.compile(model) if device.type == "cuda" else model
     data = batches(train_tokens, args.seq, args.batch, np.random.default_rng(0))
     budget = args.minutes * 60
-    # the schedule needs a length: estimate it from the first 20 steps' speed
+    # the schedule needs a length: --epochs, or the speed of steps 10..40 (after the compile) and --minutes
     est_steps, step, start, log = args.max_steps or 10**9, 0, time.time(), []
     if args.epochs and not args.max_steps:
         est_steps = int(args.epochs * len(train_tokens) / (args.batch * args.seq))
@@ -163,6 +163,8 @@ def main():
             elif step - best[1] >= args.patience * args.eval_every:
                 print(f"held-out loss has not improved for {args.patience} evals: stopping", flush=True)
                 break
+    if best[2] is None:  # ended before its first evaluation
+        best = (held_out_loss(model, held_tokens, args.seq, device), step, model.state_dict())
     held, best_step, state = best
     model.load_state_dict(state)
     print(f"best held-out loss {held:.3f} at step {best_step} of {step} ({step * args.batch * args.seq:,} tokens seen)",
@@ -172,6 +174,9 @@ def main():
     if out.resolve() != (REPO / "data" / "tiny-target").resolve():
         shutil.copytree(REPO / "data" / "tiny-target", out, dirs_exist_ok=True)
     model.config.dflash_mask_token_id = tok.convert_tokens_to_ids("<|mask|>")
+    # it ends a "file" with <|endoftext|> (it never saw a chat turn end): both stop generation
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.pad_token_id = tok.pad_token_id
     model.to(torch.bfloat16).save_pretrained(out)
     record = {"what": "Qwen3ForCausalLM trained on the CPython standard library's .py sources",
               "script": "scripts/train_tiny_target.py", "args": vars(args), "parameters": n_params,

@@ -15,8 +15,8 @@ import zarr
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = REPO / "data" / "tiny-target"
-TINY_HIDDEN = json.loads((TINY_TARGET / "config.json").read_text())["hidden_size"]
-TINY_VOCAB = json.loads((TINY_TARGET / "config.json").read_text())["vocab_size"]
+_TINY_CONFIG = json.loads((TINY_TARGET / "config.json").read_text())
+TINY_HIDDEN, TINY_VOCAB = _TINY_CONFIG["hidden_size"], _TINY_CONFIG["vocab_size"]
 SAMPLE_TEXT = REPO / "data" / "sample" / "text.jsonl"
 SAMPLE_CHAT = REPO / "data" / "sample" / "chat.jsonl"
 CACHE_ARRAYS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens", "row_ids")

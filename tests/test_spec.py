@@ -107,7 +107,38 @@ def test_ngram_baseline_copies_what_followed_the_latest_match():
 
     prompt = [1, 2, 3, 4]
     # 1 is the prefill's token; [1] matched at 0 -> copies 2 3 4 1 (all right); then [4, 1, 2] matched at 3 ->
-    # copies 3 4 1 2, of which 3 4 are right before the output ends
-    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 16) == [4, 2]
-    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 3) == [2, 2, 1]  # B-1 = 2 per cycle, then the end
+    # copies 3 4 1 2, right as far as the output goes: the cycle keeps 3 4 (counted as 1 accepted + 1)
+    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 16) == [4, 1]
+    assert ngram_accepted(prompt + [1, 2, 3, 4, 1, 2, 3, 4], len(prompt), 3) == [2, 2, 0]  # B-1 = 2 per cycle
     assert ngram_accepted([5, 6, 7, 8, 9], 2, 4) == [0, 0]  # nothing repeats: one token per cycle
+
+
+class NgramDrafter(OracleDrafter):
+    """Proposes what n-gram copy would, from the tokens known when the block is drafted."""
+
+    def __init__(self, target, prompt, answer):
+        super().__init__(target, prompt, answer, 0)
+        self.tokens = prompt + answer
+
+    def __call__(self, ctx, ctx_pos, block, block_pos, attend, ctx_kv):
+        n = int(block_pos[0]) + 1  # known: everything up to and including the block's first token
+        known = self.tokens[:n]
+        proposal = []
+        for k in range(min(3, n), 0, -1):
+            j = next((j for j in range(n - k - 1, -1, -1) if known[j : j + k] == known[n - k :]), None)
+            if j is not None:
+                proposal = known[j + k : j + k + B - 1]
+                break
+        proposal += [(self.tokens[-1] + 7) % 4000] * (B - 1 - len(proposal))  # filler: never right twice
+        return torch.stack([self.states[t] for t in [0] + proposal])
+
+
+def test_ngram_baseline_equals_online_prompt_lookup(target, prompts):
+    from dflash.spec import ngram_accepted
+
+    eos = {2}
+    for prompt in prompts:
+        answer = target_greedy(target, prompt, 40, eos)
+        tokens, accepted = speculative_greedy(target, NgramDrafter(target, prompt, answer), prompt, 40, eos)
+        assert tokens == answer
+        assert accepted == ngram_accepted(prompt + answer, len(prompt), B)
