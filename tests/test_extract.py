@@ -235,7 +235,7 @@ def test_truncated_and_dropped_rows_are_counted(tmp_path):
 
 @pytest.mark.parametrize("case,message", [
     ("malformed", r"bad.jsonl:2: malformed JSON"),
-    ("missing_key", r"bad.jsonl:1: row has neither 'text' nor 'messages'"),
+    ("missing_key", r"bad.jsonl:1: row has none of 'text', 'messages', 'prompt'\+'completion' \(keys: content\)"),
     ("empty", r"no rows \(empty dataset\)"),
     ("layer", r"--layers: layer id 6 is beyond the target's depth"),
     ("unwritable", r"--out .*: cannot write there"),
