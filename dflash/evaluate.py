@@ -17,7 +17,7 @@ from dflash import checkpoint
 from dflash.cache import Cache
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.errors import DflashError
-from dflash.objective import dense_mask, layout, sdpa_attention, valid_anchors
+from dflash.objective import eager_attention, layout, valid_anchors
 
 
 def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, available_layers: list[int] | None = None,
@@ -101,7 +101,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
             ids = torch.full((len(anchors), B), drafter.cfg.mask_token_id, device=device)
             ids[:, 0] = input_ids[anchors]
             pos = lay.pos[anchors][:, None] + torch.arange(B, device=device)
-            attend = sdpa_attention(dense_mask(anchors, lay, B))
+            attend = eager_attention(anchors, lay, B)
             h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend, ctx_kv=ctx_kv)
             h = h.view(len(anchors), B, -1)[:, 1:].reshape(-1, h.shape[-1])
             pred = torch.cat([(h[j : j + head_chunk].to(head.dtype) @ head.t()).argmax(-1)

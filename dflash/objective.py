@@ -1,7 +1,7 @@
 """The fixed-shape DFlash training objective for one shard: anchors, blocks, attention mask, loss.
 
 Every tensor has a shape fixed by (T, D, A, B), nothing syncs with the host, and the same code runs
-eagerly on CPU (attention through SDPA with a dense mask) and compiled on GPU (flex_attention with a
+eagerly on CPU (attention scored per block, `block_attention`) and compiled on GPU (flex_attention with a
 block mask built inside the graph). `dflash.naive` is the plain per-anchor reference it is tested
 against.
 """
@@ -89,15 +89,19 @@ def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mas
     return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), weights)
 
 
-def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
-    """[A*B, T + A*B] bool: block token (a, k) sees context j < anchor_a of its document, and its own
-    block. For SDPA on CPU; the GPU path builds the same mask as a flex_attention BlockMask."""
-    T, A, B = lay.doc_id.shape[0], anchors.shape[0], block_size
+def context_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
+    """[A*B, T] bool: block token (a, k) sees context j < anchor_a of its document."""
+    A, B = anchors.shape[0], block_size
     a = torch.arange(A * B, device=anchors.device) // B  # [A*B] block of each query
-    j = torch.arange(T, device=anchors.device)
-    ctx = (lay.doc_id[None, :] == lay.doc_id[anchors][a][:, None]) & (j[None, :] < anchors[a][:, None])
-    own = a[:, None] == a[None, :]
-    return torch.cat([ctx, own], dim=1)
+    j = torch.arange(lay.doc_id.shape[0], device=anchors.device)
+    return (lay.doc_id[None, :] == lay.doc_id[anchors][a][:, None]) & (j[None, :] < anchors[a][:, None])
+
+
+def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
+    """[A*B, T + A*B] bool: the context mask, then each block token sees its own block. The reference
+    layout (and SDPA's on GPU); the flex path builds the same mask as a BlockMask."""
+    a = torch.arange(anchors.shape[0] * block_size, device=anchors.device) // block_size
+    return torch.cat([context_mask(anchors, lay, block_size), a[:, None] == a[None, :]], dim=1)
 
 
 _mask_builder = None
@@ -130,6 +134,31 @@ def sdpa_attention(mask: torch.Tensor):
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
     return attend
+
+
+def block_attention(ctx_mask: torch.Tensor, block_size: int):
+    """Attention over [context ; blocks] where each query scores the T context keys and only the B keys of
+    its own block, under one softmax. Same result as SDPA with `dense_mask`, without the A*B - B block keys
+    per query that the dense mask throws away (on CPU most of the work at A*B > T). ctx_mask: [A*B, T]."""
+    def attend(q, k, v):  # q [1, nq, N, D]; k, v [1, nkv, T+N, D]
+        _, nq, N, D = q.shape
+        T, A, B = k.shape[2] - N, N // block_size, block_size
+        k, v = (x[0].repeat_interleave(nq // x.shape[1], dim=0) for x in (k, v))  # GQA: [nq, T+N, D]
+        q = q[0] * D**-0.5
+        s_ctx = (q @ k[:, :T].transpose(1, 2)).masked_fill(~ctx_mask, float("-inf"))  # [nq, N, T]
+        s_own = q.view(nq, A, B, D) @ k[:, T:].view(nq, A, B, D).transpose(2, 3)  # [nq, A, B, B]
+        p = torch.cat([s_ctx, s_own.view(nq, N, B)], dim=-1).softmax(-1)  # never empty: the own block
+        own = p[..., T:].reshape(nq, A, B, B) @ v[:, T:].view(nq, A, B, D)  # [nq, A, B, D]
+        return (p[..., :T] @ v[:, :T] + own.view(nq, N, D))[None]
+    return attend
+
+
+def eager_attention(anchors: torch.Tensor, lay: Layout, block_size: int):
+    """The uncompiled path's attention: per-block scores on CPU; on GPU, SDPA's fused kernels with the
+    dense mask (they never materialise the scores)."""
+    if anchors.is_cuda:
+        return sdpa_attention(dense_mask(anchors, lay, block_size))
+    return block_attention(context_mask(anchors, lay, block_size), block_size)
 
 
 _flex_kernel = None
@@ -203,7 +232,7 @@ class StepOutput:
 
 
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
-                 gamma: float, labels_from: str = "target", attention: str = "sdpa", ce_chunk: int = 1024,
+                 gamma: float, labels_from: str = "target", attention: str = "eager", ce_chunk: int = 1024,
                  anchors: torch.Tensor | None = None, generator=None) -> StepOutput:
     """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
     doc_lens [D]. `anchors` (sorted [A]) replaces the random draw, for tests."""
@@ -219,8 +248,10 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
                          mask_token_id=cfg.mask_token_id, gamma=gamma, labels_from=labels_from)
     if attention == "flex":
         attend = flex_attention_fn(flex_block_mask(anchors, lay, B))
-    else:
+    elif attention == "dense":  # the reference layout, for tests
         attend = sdpa_attention(dense_mask(anchors, lay, B))
+    else:
+        attend = eager_attention(anchors, lay, B)
     ctx = model.context(hidden)  # [T, H]
     h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend)  # [A*B, H]
     h = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])  # slots 1..B-1: [A*(B-1), H]

@@ -220,7 +220,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if d.is_main:
         truncate_metrics(run / "metrics.jsonl", start)
 
-    module = LossModule(drafter, cfg, "flex" if cuda else "sdpa", autocast=cuda)
+    module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda)
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import rel_err
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.naive import naive_loss
-from dflash.objective import (default_gamma, drafter_loss, head_cross_entropy, layout, make_blocks, sample_anchors,
-                              valid_anchors)
+from dflash.objective import (block_attention, context_mask, default_gamma, dense_mask, drafter_loss,
+                              head_cross_entropy, layout, make_blocks, sample_anchors, sdpa_attention, valid_anchors)
 
 V, H, B = 300, 64, 8
 
@@ -85,9 +85,27 @@ def test_flex_attention_forward_matches_sdpa_on_cpu():
     model, shard = tiny_drafter(4), random_shard(4, T=128, doc_lens=(60, 40))
     anchors = torch.tensor([3, 10, 20, 33, 50, 61, 70, 90])
     with torch.no_grad():
-        a = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="sdpa")
+        a = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="dense")
         b = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="flex")
     assert rel_err(a.loss, b.loss) < 1e-5
+
+
+def test_block_attention_matches_sdpa_with_the_dense_mask():
+    """The CPU path scores each query against its own block only: outputs and gradients equal dense SDPA."""
+    lay = layout(torch.tensor([40, 30, 0], dtype=torch.int32), 80)
+    anchors = torch.tensor([0, 5, 17, 39, 40, 52, 60, 68])  # 0 and 40 see no context: only their block
+    A, T, nq, nkv, D = len(anchors), 80, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, m, D, generator=g, requires_grad=True)
+               for n, m in ((nq, A * B), (nkv, T + A * B), (nkv, T + A * B)))
+    grad_out = torch.randn(1, nq, A * B, D, generator=g)
+    results = []
+    for attend in (block_attention(context_mask(anchors, lay, B), B), sdpa_attention(dense_mask(anchors, lay, B))):
+        out = attend(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        results.append((out, *grads))
+    for fast, ref, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert rel_err(fast, ref) < 1e-5, name
 
 
 def test_layout_and_valid_anchors():
