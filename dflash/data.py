@@ -18,8 +18,9 @@ import numpy as np
 
 from dflash.errors import DflashError
 
-# Why a row yields no document. The index is what the cache stores (`dropped_reasons`).
-DROP_REASONS = ("empty text", "no assistant tokens", "too short")
+# Why a row yields no document ("no supervised tokens": no assistant turn or an empty completion). The
+# index is what the cache stores (`dropped_reasons`); the manifest lists the names.
+DROP_REASONS = ("empty text", "no supervised tokens", "too short")
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class Tokenizer:
         if len(ids) < 2:
             return Dropped(row_id, DROP_REASONS.index("too short"))
         if not mask[1:].any():
-            return Dropped(row_id, DROP_REASONS.index("no assistant tokens"))
+            return Dropped(row_id, DROP_REASONS.index("no supervised tokens"))
         return Doc(row_id, ids, mask, truncated)
 
 

@@ -47,11 +47,12 @@ def test_chat_rows_train_only_on_assistant_turns_and_their_end(tok, tmp_path):
 def test_truncation_and_drops_are_recorded(tok, tmp_path):
     long_text = " ".join(f"word{i}" for i in range(400))
     items = _docs(tok, [{"text": long_text}, {"text": "   "}, {"text": "a"},
-                        {"messages": [{"role": "user", "content": "hi"}]}], tmp_path, max_len=64)
+                        {"messages": [{"role": "user", "content": "hi"}]},
+                        {"prompt": "def f():", "completion": ""}], tmp_path, max_len=64)
     assert isinstance(items[0], Doc) and items[0].truncated and len(items[0].input_ids) == 64
     assert [DROP_REASONS[x.reason] for x in items[1:] if isinstance(x, Dropped)] == \
-        ["empty text", "too short", "no assistant tokens"]
-    assert [x.row_id for x in items] == [0, 1, 2, 3]
+        ["empty text", "too short", "no supervised tokens", "no supervised tokens"]
+    assert [x.row_id for x in items] == [0, 1, 2, 3, 4]
 
 
 def test_row_ids_run_across_files_and_skip_blank_lines(tmp_path):

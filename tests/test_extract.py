@@ -223,12 +223,12 @@ def test_truncated_and_dropped_rows_are_counted(tmp_path):
     result = run_in_process(extract_args(data, out))
     assert result.exit_code == 0, result.output
     m = read_manifest(out)
-    assert m["stats"]["truncated"] == 1 and m["stats"]["dropped"] == {"empty text": 1, "no assistant tokens": 1}
+    assert m["stats"]["truncated"] == 1 and m["stats"]["dropped"] == {"empty text": 1, "no supervised tokens": 1}
     a = read_arrays(out)
     assert a["doc_lens"].max() == 512 and sorted(a["row_ids"][a["row_ids"] >= 0]) == [0, 2]
     c = Cache(out)
     assert list(c.group["truncated_row_ids"][:]) == [0]
-    assert [DROP_REASONS[x] for x in c.group["dropped_reasons"][:]] == ["empty text", "no assistant tokens"]
+    assert [DROP_REASONS[x] for x in c.group["dropped_reasons"][:]] == ["empty text", "no supervised tokens"]
     assert list(c.group["dropped_row_ids"][:]) == [1, 3]
     assert "1 of 4 rows were longer than 512 tokens" in result.output
 
