@@ -4,8 +4,8 @@
 The folder is the embedded default target model: small enough to commit, loadable offline with
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`. The weights it writes are a
 seeded random init of the first, 128-wide shape; the committed weights (hidden 256, trained on the
-stdlib) come from `scripts/train_tiny_target.py`, which reuses this tokenizer. Running this script
-replaces them and the model card.
+stdlib) come from `scripts/train_tiny_target.py`, which reuses this tokenizer. This script refuses to
+replace them unless given `--force`.
 
 - Tokenizer: byte-level BPE (vocab 4096 including the special tokens) trained with `tokenizers` on
   the first 16 KiB of every `.py` file of the running Python's standard library (test packages,
@@ -282,8 +282,11 @@ def check(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--force", action="store_true", help="replace a folder that holds trained weights")
     args = ap.parse_args()
     out: Path = args.out
+    if (out / "TRAINING.json").exists() and not args.force:
+        sys.exit(f"error: {out} holds trained weights (TRAINING.json): --force replaces them with a random init")
 
     texts = stdlib_corpus()
     print(f"tokenizer corpus: {len(texts)} stdlib files, {sum(map(len, texts)):,} chars")
