@@ -32,6 +32,7 @@ from dflash_cli.main import user_errors
 @click.option("--max-steps", type=int, help="Stop after N steps (sizes the schedule).")
 @click.option("--holdout-shards", type=int, help="Shards kept out for eval (default 0).")
 @click.option("--seed", type=int, help="Seed of shard order, anchors and init (default 0).")
+@click.option("--init-from", help="Start from a run's or an exported drafter's weights (same shape) instead of random.")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (default 1000).")
 @click.option("--log-every", type=int, help="Log every N steps (default 10).")
 @click.option("--eval-every", type=int, help="Measure tau on held-out shards every N steps (default: at the end).")

@@ -136,6 +136,9 @@ class TrainConfig:
     """Shards kept out of training for `dflash eval` (chosen by the seed)."""
     seed: int = 0
     """Seeds shard order, anchors and initialisation."""
+    init_from: str | None = None
+    """Start from these weights instead of a random init: a run folder (its latest checkpoint) or an
+    exported drafter, e.g. a released DFlash model to fine-tune. Its shape must equal this run's."""
     save_every: int = 1000
     """Checkpoint every N steps (and at the end)."""
     log_every: int = 10

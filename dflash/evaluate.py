@@ -20,27 +20,29 @@ from dflash.errors import DflashError
 from dflash.objective import eager_attention, layout, valid_anchors
 
 
-def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, available_layers: list[int] | None = None,
-                 device="cpu") -> tuple[Drafter, dict]:
-    """A drafter from a training run folder (latest checkpoint) or an exported HF folder, on the
-    target's embeddings and head [V, H] (from a cache or from the target itself). Returns (drafter,
-    info); info names a run's held-out shards and cache key."""
+def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict, dict]:
+    """(config, weights, info) of a training run folder (latest checkpoint) or an exported HF folder;
+    info names a run's held-out shards and cache key."""
     path = Path(path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         raise DflashError(f"--drafter {path}: no config.json (not a run or an exported drafter)") from None
     if "drafter" in config:  # a training run
-        dcfg = DrafterConfig(**config["drafter"])
         ckpt = checkpoint.latest(path)
         if ckpt is None:
             raise DflashError(f"--drafter {path}: the run has no checkpoint yet")
-        weights = checkpoint.load_weights(ckpt)
         info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
-    else:  # an export
-        dcfg = drafter_config_from_export(config, path)
-        weights = load_file(str(path / "model.safetensors"))
-        info = {"holdout_shards": [], "cache_key": None}
+        return DrafterConfig(**config["drafter"]), checkpoint.load_weights(ckpt), info
+    return drafter_config_from_export(config, path), load_file(str(path / "model.safetensors")), \
+        {"holdout_shards": [], "cache_key": None}
+
+
+def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, available_layers: list[int] | None = None,
+                 device="cpu") -> tuple[Drafter, dict]:
+    """A drafter from a training run folder or an exported HF folder (`read_drafter`), on the target's
+    embeddings and head [V, H] (from a cache or from the target itself). Returns (drafter, info)."""
+    dcfg, weights, info = read_drafter(path)
     vocab, hidden = embed.shape
     if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
         raise DflashError(f"--drafter {path}: hidden {dcfg.hidden_size} / vocab {dcfg.vocab_size} do not match the "
@@ -50,12 +52,16 @@ def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, avai
         raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
                           f"(it holds {available_layers})")
     drafter = Drafter(dcfg, embed, head).to(device)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name not in weights:
-                raise DflashError(f"--drafter {path}: weights lack {name}")
-            p.copy_(weights[name].float())
+    copy_weights(drafter, weights, f"--drafter {path}")
     return drafter.to(embed.dtype).eval(), info
+
+
+@torch.no_grad()
+def copy_weights(drafter: Drafter, weights: dict, what: str) -> None:
+    for name, p in drafter.named_parameters():
+        if name not in weights:
+            raise DflashError(f"{what}: weights lack {name}")
+        p.copy_(weights[name].to(p.dtype))
 
 
 def drafter_config_from_export(config: dict, path) -> DrafterConfig:

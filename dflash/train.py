@@ -25,7 +25,7 @@ from dflash.config import TrainConfig
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.errors import DflashError
-from dflash.evaluate import acceptance
+from dflash.evaluate import acceptance, copy_weights, read_drafter
 from dflash.loader import ShardLoader, epoch_order
 from dflash.objective import drafter_loss, flops_per_step
 from dflash.target import resolve_device
@@ -74,6 +74,16 @@ def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
                           f"{dcfg.num_key_value_heads} key/value heads")
     if not cache.committed() and not cfg.follow:
         raise DflashError(f"{cache.path}: no committed shard yet (extract still running? use --follow)")
+
+
+def init_weights(drafter: Drafter, path: str) -> None:
+    """--init-from: another run's or an export's weights, if the drafter it holds has this run's shape."""
+    src, weights, _ = read_drafter(path)
+    ours, theirs = drafter.cfg.to_dict(), src.to_dict()
+    diffs = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if k != "max_position_embeddings" and theirs[k] != ours[k]]
+    if diffs:
+        raise DflashError(f"--init-from {path}: another drafter shape ({'; '.join(diffs)})")
+    copy_weights(drafter, weights, f"--init-from {path}")
 
 
 def split_shards(cfg: TrainConfig, num_shards: int) -> tuple[list[int], list[int]]:
@@ -204,6 +214,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
+    if cfg.init_from:
+        init_weights(drafter, cfg.init_from)
     params = list(drafter.parameters())
     lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=cuda)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli, run_in_process, start_cli
+from conftest import REPO, rel_err, run_cli, run_in_process, start_cli
 
 PRESET = str(REPO / "configs" / "tiny.toml")
 
@@ -128,6 +128,24 @@ def test_eval_trained_beats_untrained(trained_run, tiny_cache, tmp_path):
     out = run_in_process(["eval", "--drafter", str(exported), "--cache", str(tiny_cache), "--json", "--device", "cpu",
                           "--shards", ",".join(map(str, held_out)), "--max-anchors", "400"])
     assert abs(json.loads(out.output)["tau"] - results["trained"]["tau"]) < 0.05
+
+
+def test_init_from_starts_from_those_weights_and_refuses_another_shape(trained_run, tiny_cache, tmp_path):
+    from dflash import checkpoint
+
+    exported, tuned = tmp_path / "export", tmp_path / "tuned"
+    assert run_in_process(["export", str(trained_run), "--out", str(exported)]).exit_code == 0
+    base = ["train", "--config", PRESET, "--cache", str(tiny_cache), "--device", "cpu", "--max-steps", "1",
+            "--lr", "1e-12", "--init-from", str(exported)]
+    assert run_in_process([*base, "--out", str(tuned)]).exit_code == 0
+    start = checkpoint.load_weights(checkpoint.latest(trained_run))
+    after = checkpoint.load_weights(checkpoint.latest(tuned))
+    assert set(after) == set(start)
+    for name, w in after.items():  # the export is bf16: equal up to its rounding
+        assert rel_err(w, start[name]) < 1e-2, name
+    other = run_in_process([*base, "--out", str(tmp_path / "deeper"), "--num-layers", "3"])
+    assert other.exit_code == 1 and "another drafter shape (num_layers 2 vs 3)" in other.output
+    assert not (tmp_path / "deeper" / "checkpoints").exists()
 
 
 def test_plot_draws_a_png(trained_run):
