@@ -39,7 +39,7 @@ def demo(out, steps, prompts, device):
                f"fill {i['fill_ratio']:.1%}, {i['shard_bytes_per_token'] / 1e3:.2f} KB/token")
     train(build_config(TrainConfig, preset, "train", {"cache": str(cache_dir), "out": str(run_dir),
                                                       "max_steps": steps, "device": device}))
-    offline = evaluate(str(run_dir), str(cache_dir), device=device, max_anchors=512)
+    offline = evaluate(str(run_dir), str(cache_dir), device=device)
     export(run_dir, Path(out) / "drafter")
     online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"),
                       str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=prompts, device=device)

@@ -80,13 +80,22 @@ def drafter_config_from_export(config: dict, path) -> DrafterConfig:
 
 
 @torch.inference_mode()
-def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_anchors: int | None = None,
-               anchors_per_pass: int = 256, head_chunk: int = 1024) -> dict:
-    """tau and per-slot acceptance over the valid anchors of `shards` (cache opened with the drafter's
-    layers): all of them, or `max_anchors` per shard evenly spaced."""
+def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchors_per_pass: int = 256,
+               head_chunk: int = 1024) -> dict:
+    """Greedy acceptance of the drafter against the target's recorded choices, on `shards` (cache opened
+    with the drafter's layers). Every valid anchor is drafted once (a block's draft depends only on its
+    anchor and the context before it); then:
+
+    - `tau`, `per_slot`: decoding order, as `dflash spec` counts. Each document is replayed from its first
+      trained position: a cycle drafts at anchor p, accepts a tokens, and the next cycle starts at
+      p + a + 1 (the target's bonus token). On a cache of the target's own greedy answers this is the
+      online tau, up to the bf16 rounding of the stored states.
+    - `tau_anchors`, `per_slot_anchors`: the mean over every anchor. Higher on repetitive text: decoding
+      spends more cycles where the drafter fails, since each failure starts one."""
     B = drafter.cfg.block_size
     head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
-    accepted_total = torch.zeros(B - 1, dtype=torch.float64)
+    anchors_total = torch.zeros(B - 1, dtype=torch.float64)
+    cycles = []  # accepted drafts per replayed cycle
     blocks = 0
     for s in shards:
         shard = cache.read_shard(s)
@@ -97,11 +106,10 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
         T = input_ids.shape[0]
         lay = layout(torch.from_numpy(shard.doc_lens).to(device), T)
         valid = valid_anchors(lay, loss_mask).nonzero()[:, 0]  # eval only: data-dependent shapes are fine
-        if max_anchors is not None and len(valid) > max_anchors:
-            valid = valid[torch.linspace(0, len(valid) - 1, max_anchors, device=device).long()]
         ctx = drafter.context(hidden.to(drafter.fc.weight.dtype))
         ctx_kv = drafter.context_kv(ctx, lay.pos)  # once per shard, shared by every pass of anchors
         k = torch.arange(1, B, device=device)
+        accepted_at = torch.full((T,), -1, dtype=torch.long)  # [T] drafts accepted at each valid anchor
         for i in range(0, len(valid), anchors_per_pass):
             anchors = valid[i : i + anchors_per_pass]
             ids = torch.full((len(anchors), B), drafter.cfg.mask_token_id, device=device)
@@ -114,17 +122,38 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, max_an
                               for j in range(0, h.shape[0], head_chunk)]).view(len(anchors), B - 1)
             label_pos = anchors[:, None] + k  # the token slot k drafts; target_ids[t-1] is the target's choice
             inside = label_pos < lay.doc_end[anchors][:, None]
-            match = (pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside
-            accepted_total += match.long().cumprod(1).sum(0).double().cpu()
-            blocks += len(anchors)
+            match = ((pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside).long().cumprod(1)
+            anchors_total += match.sum(0).double().cpu()
+            accepted_at[anchors.cpu()] = match.sum(1).cpu()  # host sync: eval only
+        blocks += len(valid)
+        cycles += replay_cycles(accepted_at, lay.doc_end.cpu())
     if blocks == 0:
         raise DflashError("no valid anchor in the evaluated shards")
-    per_slot = (accepted_total / blocks).tolist()
-    return {"tau": 1.0 + sum(per_slot), "per_slot": per_slot, "blocks": blocks, "shards": shards, "block_size": B}
+    per_slot = [sum(a >= j for a in cycles) / len(cycles) for j in range(1, B)]
+    per_slot_anchors = (anchors_total / blocks).tolist()
+    return {"tau": 1.0 + sum(per_slot), "per_slot": per_slot, "tau_anchors": 1.0 + sum(per_slot_anchors),
+            "per_slot_anchors": per_slot_anchors, "cycles": len(cycles), "blocks": blocks, "shards": shards,
+            "block_size": B}
+
+
+def replay_cycles(accepted_at: torch.Tensor, doc_end: torch.Tensor) -> list[int]:
+    """Decoding order over one shard: accepted_at [T] (-1 where no anchor is valid), doc_end [T]. From each
+    document's first valid anchor, a cycle at p accepts a = accepted_at[p] drafts and the next starts at
+    p + a + 1, or at the next valid anchor (past an untrained span: a user turn)."""
+    acc, end = accepted_at.tolist(), doc_end.tolist()
+    out, p = [], 0
+    while p < len(acc):
+        if acc[p] < 0:
+            p += 1
+            continue
+        out.append(acc[p])
+        nxt = p + acc[p] + 1
+        p = nxt if nxt < end[p] else end[p]  # the next document starts from its own first anchor
+    return out
 
 
 def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None, device: str = "auto",
-             max_shards: int | None = None, max_anchors: int | None = None) -> dict:
+             max_shards: int | None = None) -> dict:
     from dflash.target import resolve_device
 
     dev = resolve_device(device)
@@ -143,4 +172,4 @@ def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None
         raise DflashError(f"--shards {missing[:5]}: not committed in {cache_path}")
     if max_shards is not None:
         shards = shards[:max_shards]
-    return acceptance(drafter, cache, shards, dev, max_anchors)
+    return acceptance(drafter, cache, shards, dev)

@@ -261,7 +261,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     def evaluate(at: int) -> None:
         if not (holdout and d.is_main):
             return
-        result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device, max_anchors=256)
+        result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device)
         drafter.train()
         with (run / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": at, "tau": result["tau"], "per_slot": result["per_slot"]}) + "\n")

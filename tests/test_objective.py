@@ -171,3 +171,13 @@ def test_chunked_head_cross_entropy_matches_full_logits():
     ref.backward()
     assert rel_err(total.detach(), ref.detach()) < 1e-6 and rel_err(h.grad, h2.grad) < 1e-5
     assert torch.equal(correct, logits.argmax(-1) == y)
+
+
+def test_replay_cycles_follows_decoding_order():
+    from dflash.evaluate import replay_cycles
+
+    # doc 0 = positions 0-5, doc 1 = 6-9; -1: no valid anchor there (prompt, user turn, last token)
+    accepted_at = torch.tensor([-1, 2, 0, 5, 1, 0, -1, 3, 0, 0])
+    doc_end = torch.tensor([6] * 6 + [10] * 4)
+    # doc 0: first anchor 1 accepts 2 -> next cycle at 4 accepts 1 -> 6 is doc 1's; doc 1: 7 accepts 3 -> end
+    assert replay_cycles(accepted_at, doc_end) == [2, 1, 3]

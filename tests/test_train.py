@@ -114,8 +114,7 @@ def test_eval_trained_beats_untrained(trained_run, tiny_cache, tmp_path):
                            "--max-steps", "1", "--lr", "1e-12", "--device", "cpu"]).exit_code == 0
     results = {}
     for name, run in (("trained", trained_run), ("untrained", untrained)):
-        out = run_in_process(["eval", "--drafter", str(run), "--cache", str(tiny_cache), "--json", "--device", "cpu",
-                              "--max-anchors", "400"])
+        out = run_in_process(["eval", "--drafter", str(run), "--cache", str(tiny_cache), "--json", "--device", "cpu"])
         assert out.exit_code == 0, out.output
         results[name] = json.loads(out.output)
     held_out = json.loads((trained_run / "config.json").read_text())["holdout_shards"]
@@ -126,7 +125,7 @@ def test_eval_trained_beats_untrained(trained_run, tiny_cache, tmp_path):
     exported = tmp_path / "export"
     run_in_process(["export", str(trained_run), "--out", str(exported)])
     out = run_in_process(["eval", "--drafter", str(exported), "--cache", str(tiny_cache), "--json", "--device", "cpu",
-                          "--shards", ",".join(map(str, held_out)), "--max-anchors", "400"])
+                          "--shards", ",".join(map(str, held_out))])
     assert abs(json.loads(out.output)["tau"] - results["trained"]["tau"]) < 0.05
 
 
