@@ -94,9 +94,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
       spends more cycles where the drafter fails, since each failure starts one."""
     B = drafter.cfg.block_size
     head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
-    anchors_total = torch.zeros(B - 1, dtype=torch.float64)
-    cycles = []  # accepted drafts per replayed cycle
-    blocks = 0
+    per_anchor, cycles = [], []  # accepted drafts at every valid anchor / per replayed cycle
     for s in shards:
         shard = cache.read_shard(s)
         hidden = torch.from_numpy(shard.hidden.view("int16")).view(torch.bfloat16).to(device)
@@ -123,17 +121,20 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
             label_pos = anchors[:, None] + k  # the token slot k drafts; target_ids[t-1] is the target's choice
             inside = label_pos < lay.doc_end[anchors][:, None]
             match = ((pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside).long().cumprod(1)
-            anchors_total += match.sum(0).double().cpu()
             accepted_at[anchors.cpu()] = match.sum(1).cpu()  # host sync: eval only
-        blocks += len(valid)
+        per_anchor += accepted_at[accepted_at >= 0].tolist()
         cycles += replay_cycles(accepted_at, lay.doc_end.cpu())
-    if blocks == 0:
+    if not per_anchor:
         raise DflashError("no valid anchor in the evaluated shards")
-    per_slot = [sum(a >= j for a in cycles) / len(cycles) for j in range(1, B)]
-    per_slot_anchors = (anchors_total / blocks).tolist()
+    per_slot, per_slot_anchors = by_slot(cycles, B), by_slot(per_anchor, B)
     return {"tau": 1.0 + sum(per_slot), "per_slot": per_slot, "tau_anchors": 1.0 + sum(per_slot_anchors),
-            "per_slot_anchors": per_slot_anchors, "cycles": len(cycles), "blocks": blocks, "shards": shards,
+            "per_slot_anchors": per_slot_anchors, "cycles": len(cycles), "blocks": len(per_anchor), "shards": shards,
             "block_size": B}
+
+
+def by_slot(accepted: list[int], block_size: int) -> list[float]:
+    """Per draft slot k = 1..B-1, the share of blocks that accepted at least k drafts (tau = 1 + their sum)."""
+    return [sum(a >= k for a in accepted) / max(len(accepted), 1) for k in range(1, block_size)]
 
 
 def replay_cycles(accepted_at: torch.Tensor, doc_end: torch.Tensor) -> list[int]:

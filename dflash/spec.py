@@ -168,7 +168,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     """Decode every prompt speculatively and with the target alone; `save_outputs`: a JSONL of
     {"prompt", "completion"} rows (the target's answers: a cache of them gives the offline tau to
     compare)."""
-    from dflash.evaluate import load_drafter
+    from dflash.evaluate import by_slot, load_drafter
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     dev = resolve_device(device)
@@ -202,7 +202,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
         Path(save_outputs).parent.mkdir(parents=True, exist_ok=True)
         Path(save_outputs).write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
     B = drafter.cfg.block_size
-    per_position = [sum(a >= k for a in accepted) / max(len(accepted), 1) for k in range(1, B)]
+    per_position = by_slot(accepted, B)
     return {"tau": sum(a + 1 for a in accepted) / max(len(accepted), 1), "lossless": not mismatches,
             "ngram_tau": sum(a + 1 for a in ngram) / max(len(ngram), 1),
               "speedup": (n_spec / t_spec) / (n_base / t_base), "per_position": per_position,

@@ -214,8 +214,6 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
-    if cfg.init_from:
-        init_weights(drafter, cfg.init_from)
     params = list(drafter.parameters())
     lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
@@ -225,6 +223,8 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if ckpt is not None:
         start = checkpoint.load(ckpt, drafter, optimizer)["step"]
         log(f"resuming {run} from step {start}")
+    elif cfg.init_from:  # a resumed run has its own weights: the source is read only at the start
+        init_weights(drafter, cfg.init_from)
     total = cfg.max_steps or cfg.epochs * (len(train_shards) // d.world)
     if start >= total:
         log(f"{run}: already trained for {start} steps: nothing to do")
