@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Issue 4 on one GPU in one device call: the tiny target writes ~49 K function bodies (`dflash
+regenerate`), they are cached (`dflash extract`), and a B = 16 drafter trains on them for as many steps
+as the call's time budget allows (a short probe run measures the step time first, so the cosine
+schedule ends inside the budget). Then export, offline τ on the held-out shards and, if given, on a
+cache of `dflash spec`'s answers to the held-out prompts. The GPU tests run beside it.
+
+Prompts: `python scripts/make_code_data.py --all .qdata/code_all.jsonl` (here: the header set depends on
+the Python build the target's corpus came from). Online τ (`dflash spec`) is measured afterwards from the
+returned export; see bench/RESULTS.md.
+
+    source bench/setup_device.sh || exit; python3 bench/quality_gpu.py --out $OUT --budget 540
+    python bench/quality_gpu.py --smoke --out /tmp/qg      # toy sizes on the CPU, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+T0 = time.monotonic()
+REPO = Path(__file__).resolve().parent.parent
+DFLASH = [sys.executable, "-m", "dflash"]  # the GPU machine has the repo on PYTHONPATH, no console script
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def run(cmd: list[str], log: Path, timeout: float | None = None) -> float:
+    """Run one dflash command, its output appended to `log`; returns its wall time. A command past its
+    timeout is killed (the caller uses whatever it committed)."""
+    t = time.monotonic()
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            f.write(f"[killed after {timeout:.0f} s]\n")
+            return time.monotonic() - t
+    if rc:
+        sys.exit(f"failed ({rc}): {' '.join(cmd)}; see {log}")
+    return time.monotonic() - t
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="results (summary.json, logs, the export)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qg-work"), help="scratch: data, caches, runs")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for everything, from this script's start")
+    ap.add_argument("--prompts", default=".qdata/code_all.jsonl", help="headers for the target to continue")
+    ap.add_argument("--gen", help="already generated rows (skips regenerate; .jsonl or .jsonl.gz)")
+    ap.add_argument("--answers", help="dflash spec --save-outputs answers: offline tau on a cache of them")
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--max-steps", type=int, default=100_000, help="upper bound on the main run's steps")
+    ap.add_argument("--no-tests", action="store_true", help="skip the GPU tests")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
+    args = ap.parse_args()
+    out, work = args.out, args.work
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    dev = "cpu" if args.smoke else "cuda"
+    limit = ["--limit", "48"] if args.smoke else []
+    summary: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": {}}
+
+    def save() -> None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    tests = None
+    if not args.no_tests and not args.smoke:  # beside the rest: they take minutes, mostly compiling
+        tests = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "tests/test_gpu_train.py", "tests/test_gpu.py"],
+                                 stdout=(out / "gpu-tests.log").open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+
+    # 1. the target writes the training text
+    gen = work / "code_all.gen.jsonl"
+    if args.gen:
+        opener = gzip.open if args.gen.endswith(".gz") else open
+        with opener(args.gen, "rb") as src, gen.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+        (work / "code_all.gen.jsonl.meta.json").unlink(missing_ok=True)
+    else:
+        summary["seconds"]["regenerate"] = run(
+            [*DFLASH, "regenerate", "--target", "data/tiny-target", "--data", args.prompts, "--out", str(gen),
+             "--prompt-tokens", "100000", "--max-new-tokens", "192", "--batch-size", "8" if args.smoke else "1024",
+             "--device", dev, *limit], log)
+    with gen.open("rb") as src, gzip.open(out / "code_all.gen.jsonl.gz", "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)  # back to the workstation: call 2 and the record reuse it
+    save()
+
+    # 2. the cache: target layers 1, 3, 5 (the rest of the preset: configs/tiny.toml)
+    cache = work / "cache"
+    gpu_extract = [] if args.smoke else ["--batch-size", "512", "--batch-tokens", "131072"]
+    summary["seconds"]["extract"] = run(
+        [*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(cache), "--layers", "1,3,5",
+         "--data", str(gen), "--data", "data/sample/generated/text.jsonl",
+         "--token-budget", str(args.token_budget), "--max-docs", "64", "--device", dev, *gpu_extract, *limit], log)
+    save()
+
+    train = [*DFLASH, "train", "--config", "configs/tiny.toml", "--cache", str(cache), "--layers", "1,3,5",
+             "--num-layers", str(args.num_layers), "--num-anchors", str(args.num_anchors), "--lr", str(args.lr),
+             "--device", dev, "--eval-every", "0"]
+
+    # 3. probe: the step time of exactly this configuration (its compile also warms inductor's cache)
+    probe = work / "probe"
+    probe_steps = 20 if args.smoke else 300
+    t = run([*train, "--out", str(probe), "--max-steps", str(probe_steps), "--log-every", "50",
+             "--save-every", "100000"], log)
+    m = [r for r in metrics(probe) if "loss" in r]  # (the other lines are evaluations)
+    step_s = args.token_budget / m[-1]["tokens_per_s"]  # the last window: compiled, warm
+    summary["probe"] = {"steps": probe_steps, "wall_s": t, "step_ms": 1e3 * step_s,
+                        "startup_s": t - probe_steps * step_s}
+    save()
+
+    # 4. the main run: as many steps as fit, keeping ~60 s for export and evaluation
+    reserve = 60 if not args.smoke else 5
+    left = args.budget - elapsed() - summary["probe"]["startup_s"] - reserve
+    steps = max(100, min(args.max_steps, int(0.92 * left / step_s)))
+    main_run = work / "run"
+    summary["main"] = {"planned_steps": steps}
+    save()
+    summary["seconds"]["train"] = run(
+        [*train, "--out", str(main_run), "--max-steps", str(steps), "--log-every", "100", "--save-every", "1000"],
+        log, timeout=max(30.0, args.budget - elapsed() - reserve + 15))
+    steps_logged = [r for r in metrics(main_run) if "loss" in r]
+    summary["main"].update(steps_done=steps_logged[-1]["step"] if steps_logged else 0,
+                           final=steps_logged[-1] if steps_logged else None)
+    shutil.copy(main_run / "metrics.jsonl", out / "metrics.jsonl")
+    save()
+
+    # 5. export and offline tau
+    export = out / "drafter"
+    run([*DFLASH, "export", str(main_run), "--out", str(export)], log)
+    ev = subprocess.run([*DFLASH, "eval", "--drafter", str(main_run), "--cache", str(cache), "--json",
+                         "--device", dev], capture_output=True, text=True, cwd=REPO)
+    summary["holdout"] = json.loads(ev.stdout) if ev.returncode == 0 else ev.stderr[-500:]
+    save()
+    if args.answers:
+        ans = work / "cache-answers"
+        run([*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(ans), "--layers", "1,3,5",
+             "--data", args.answers, "--device", dev], log)
+        ev = subprocess.run([*DFLASH, "eval", "--drafter", str(export), "--cache", str(ans), "--json",
+                             "--device", dev], capture_output=True, text=True, cwd=REPO)
+        summary["answers"] = json.loads(ev.stdout) if ev.returncode == 0 else ev.stderr[-500:]
+    if tests is not None:
+        try:
+            summary["gpu_tests_rc"] = tests.wait(timeout=max(1.0, args.budget - elapsed()))
+        except subprocess.TimeoutExpired:
+            tests.kill()
+            summary["gpu_tests_rc"] = "killed at the budget"
+    summary["seconds"]["total"] = elapsed()
+    save()
+
+    def tau(key):
+        r = summary.get(key)
+        return f"{r['tau']:.3f} (anchors {r['tau_anchors']:.3f})" if isinstance(r, dict) else str(r)[:60]
+    print(f"\n{'phase':<24}{'value'}")
+    for k, v in summary["seconds"].items():
+        print(f"{k + ' s':<24}{v:.1f}")
+    print(f"{'probe step ms':<24}{summary['probe']['step_ms']:.2f}")
+    print(f"{'main steps':<24}{summary['main']['steps_done']} of {steps}")
+    if summary["main"]["final"]:
+        print(f"{'final loss':<24}{summary['main']['final']['loss']:.3f}")
+    print(f"{'tau held-out shards':<24}{tau('holdout')}")
+    print(f"{'tau spec answers':<24}{tau('answers')}")
+    print(f"{'gpu tests rc':<24}{summary.get('gpu_tests_rc')}")
+
+
+if __name__ == "__main__":
+    main()
