@@ -158,7 +158,8 @@ def main() -> None:
     steps_logged = [r for r in metrics(main_run) if "loss" in r]
     summary["main"].update(steps_done=steps_logged[-1]["step"] if steps_logged else 0,
                            final=steps_logged[-1] if steps_logged else None)
-    shutil.copy(main_run / "metrics.jsonl", out / "metrics.jsonl")
+    if (main_run / "metrics.jsonl").exists():
+        shutil.copy(main_run / "metrics.jsonl", out / "metrics.jsonl")
     save()
 
     # 5. export and offline tau
