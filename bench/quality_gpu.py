@@ -54,9 +54,18 @@ def run(cmd: list[str], log: Path, timeout: float | None = None) -> float:
     return time.monotonic() - t
 
 
-def metrics(run_dir: Path) -> list[dict]:
+def step_metrics(run_dir: Path) -> list[dict]:
+    """The run's logged steps (metrics.jsonl without its evaluation lines)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if "loss" in r]
+
+
+def offline_tau(drafter: Path, cache: Path, device: str):
+    """dflash eval's JSON, or the end of its error."""
+    ev = subprocess.run([*DFLASH, "eval", "--drafter", str(drafter), "--cache", str(cache), "--json",
+                         "--device", device], capture_output=True, text=True, cwd=REPO)
+    return json.loads(ev.stdout) if ev.returncode == 0 else ev.stderr[-500:]
 
 
 def main() -> None:
@@ -100,7 +109,6 @@ def main() -> None:
         opener = gzip.open if args.gen.endswith(".gz") else open
         with opener(args.gen, "rb") as src, gen.open("wb") as dst:
             shutil.copyfileobj(src, dst)
-        (work / "code_all.gen.jsonl.meta.json").unlink(missing_ok=True)
     else:
         summary["seconds"]["regenerate"] = run(
             [*DFLASH, "regenerate", "--target", "data/tiny-target", "--data", args.prompts, "--out", str(gen),
@@ -141,8 +149,7 @@ def main() -> None:
         probe_steps = 20 if args.smoke else 300
         t = run([*train, "--out", str(probe), "--max-steps", str(probe_steps), "--log-every", "50",
                  "--save-every", "100000"], log)
-        m = [r for r in metrics(probe) if "loss" in r]  # (the other lines are evaluations)
-        step_s = args.token_budget / m[-1]["tokens_per_s"]  # the last window: compiled, warm
+        step_s = args.token_budget / step_metrics(probe)[-1]["tokens_per_s"]  # the last window: compiled, warm
         startup_s = t - probe_steps * step_s
     summary["step"] = {"step_ms": 1e3 * step_s, "startup_s": startup_s, "measured": not args.step_ms}
     save()
@@ -157,7 +164,7 @@ def main() -> None:
     summary["seconds"]["train"] = run(
         [*train, "--out", str(main_run), "--max-steps", str(steps), "--log-every", "200", "--save-every", "1000"],
         log, timeout=max(30.0, args.budget - elapsed() - reserve + 15))
-    steps_logged = [r for r in metrics(main_run) if "loss" in r]
+    steps_logged = step_metrics(main_run)
     summary["main"].update(steps_done=steps_logged[-1]["step"] if steps_logged else 0,
                            final=steps_logged[-1] if steps_logged else None)
     if (main_run / "metrics.jsonl").exists():
@@ -167,17 +174,13 @@ def main() -> None:
     # 5. export and offline tau
     export = out / "drafter"
     run([*DFLASH, "export", str(main_run), "--out", str(export)], log)
-    ev = subprocess.run([*DFLASH, "eval", "--drafter", str(main_run), "--cache", str(cache), "--json",
-                         "--device", dev], capture_output=True, text=True, cwd=REPO)
-    summary["holdout"] = json.loads(ev.stdout) if ev.returncode == 0 else ev.stderr[-500:]
+    summary["holdout"] = offline_tau(main_run, cache, dev)
     save()
     if args.answers:
         ans = work / "cache-answers"
         run([*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(ans), "--layers", "1,3,5",
              "--data", args.answers, "--device", dev], log)
-        ev = subprocess.run([*DFLASH, "eval", "--drafter", str(export), "--cache", str(ans), "--json",
-                             "--device", dev], capture_output=True, text=True, cwd=REPO)
-        summary["answers"] = json.loads(ev.stdout) if ev.returncode == 0 else ev.stderr[-500:]
+        summary["answers"] = offline_tau(export, ans, dev)
     if tests is not None:
         try:
             summary["gpu_tests_rc"] = tests.wait(timeout=max(1.0, args.budget - elapsed()))

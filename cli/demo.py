@@ -42,14 +42,13 @@ def demo(out, steps, prompts, device):
                                                       "max_steps": steps, "device": device}))
     offline = evaluate(str(run_dir), str(cache_dir), device=device)
     export(run_dir, Path(out) / "drafter")
-    online = run_spec(str(REPO / "data" / "tiny-target"), str(Path(out) / "drafter"),
-                      str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=prompts, device=device)
+    target, held_out = str(REPO / "data" / "tiny-target"), str(REPO / "data" / "sample" / "code_prompts.jsonl")
+    online = run_spec(target, str(Path(out) / "drafter"), held_out, 64, limit=prompts, device=device)
     click.echo(f"tau offline {offline['tau']:.2f} ({len(offline['shards'])} held-out shards) | "
                f"tau online {online['tau']:.2f} ({online['prompts']} held-out prompts, lossless: {online['lossless']}; "
                f"n-gram copy baseline {online['ngram_tau']:.2f}) | speedup {online['speedup']:.2f}x; "
                f"curves: dflash plot {run_dir}")
-    shipped = run_spec(str(REPO / "data" / "tiny-target"), str(REPO / "data" / "tiny-drafter"),
-                       str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=prompts, device=device)
+    shipped = run_spec(target, str(REPO / "data" / "tiny-drafter"), held_out, 64, limit=prompts, device=device)
     click.echo(f"({steps} steps: a smoke run. The shipped drafter data/tiny-drafter, trained on a GPU on 8 M tokens "
                f"of the target's own code, on the same prompts: tau online {shipped['tau']:.2f}, lossless: "
                f"{shipped['lossless']}, speedup {shipped['speedup']:.2f}x)")

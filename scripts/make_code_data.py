@@ -7,7 +7,7 @@ standard library, split exactly as the tiny target's training split its files.
 - `code_prompts.jsonl`: headers from the target's *held-out* files (never seen by the target or the
   drafter): the prompts of `dflash spec` for issue 4's quality figures.
 - `--all FILE`: every function header of the training files (signature, and docstring where there is
-  one; ~49 K rows): prompts for a large regeneration (`bench/quality_gpu.sh`), not kept in the repo.
+  one; ~49 K rows): prompts for a large regeneration (`bench/quality_gpu.py`), not kept in the repo.
 
 The tiny target is a code model (it never saw a chat), so code headers are the prompts on which its
 greedy answers mean something. Deterministic for one Python build.
