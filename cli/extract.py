@@ -35,6 +35,7 @@ def _int_list(ctx, param, value):
 @click.option("--limit", type=int, help="Use only the first N rows.")
 @click.option("--compressor", type=click.Choice(["none", "zstd"]), help="Compression of hidden chunks (default none).")
 @click.option("--attn-implementation", help="Passed to from_pretrained: sdpa, eager, flash_attention_2.")
+@click.option("--device-map", help="Spread the target over the GPUs: auto, balanced, sequential or a JSON map.")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own modeling code.")
 @user_errors
 def extract(preset, **options):

@@ -20,6 +20,7 @@ from dflash_cli.main import user_errors
 @click.option("--limit", type=int, help="Only the first N rows.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
+@click.option("--device-map", help="Spread the target over the GPUs: auto, balanced, sequential or a JSON map.")
 @user_errors
 def regenerate(**options):
     """Rewrite responses (chat rows) or continue texts (text rows) with the target's own generations."""

@@ -57,6 +57,9 @@ class ExtractConfig:
     """Chunk compression of `hidden`: `none` (fastest) or `zstd` (level 1, ~1.3x smaller)."""
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None: transformers' choice."""
+    device_map: str | None = None
+    """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
+    JSON map of module -> device (inline or a .json file). Captured states are gathered on `device`."""
     trust_remote_code: bool = False
     """Allow the target's own modeling code. Off unless asked for."""
 
@@ -83,6 +86,10 @@ class ExtractConfig:
             raise DflashError(f"--compressor must be none or zstd, got {self.compressor!r}")
         if self.limit is not None and self.limit < 1:
             raise DflashError(f"--limit must be >= 1, got {self.limit}")
+        if self.device_map:
+            from dflash.target import parse_device_map
+
+            parse_device_map(self.device_map)
 
 
 @dataclass(kw_only=True)
@@ -98,7 +105,7 @@ class TrainConfig:
     num_layers: int = 5
     """Drafter depth."""
     intermediate_size: int | None = None
-    """Drafter MLP width (None: the target's)."""
+    """Drafter MLP width (None: the target's dense MLP width, else 3 x hidden)."""
     num_attention_heads: int | None = None
     """Query heads (None: the target's)."""
     num_key_value_heads: int | None = None

@@ -47,6 +47,8 @@ def extract(cfg: ExtractConfig, log=print) -> dict:
 
 def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
     out = Path(cfg.out)
+    if cfg.device_map and d.world > 1:
+        raise DflashError("--device-map spreads one target over this machine's GPUs: run one process, not torchrun")
     if d.is_main:
         _check_writable(out)
     device = resolve_device(cfg.device)
@@ -69,7 +71,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
                                   + "; ".join(diffs) + ". Use another --out.")
         else:
             docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
-            model = _load_model(target_path, device, dtype, cfg)
+            model = _load_model(target_path, device, dtype, cfg, log)
             _create(out, cfg, fields, manifest_extra, plan_arrays, model, tconf, tokenizer)
             log(f"planned {manifest_extra['num_shards']} shards of {cfg.token_budget} tokens "
                 f"(fill {manifest_extra['stats']['tokens'] / (manifest_extra['num_shards'] * cfg.token_budget):.1%})")
@@ -84,9 +86,9 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         d.barrier()
         return {"shards_written": 0, "complete": len(committed) == cache.num_shards}
     if model is None:
-        model = _load_model(target_path, device, dtype, cfg)
+        model = _load_model(target_path, device, dtype, cfg, log)
     docs = _docs_for(cfg, tokenizer, cache, windows, docs)
-    target = Target(model, layer_ids)
+    target = Target(model, layer_ids, device=device)
     if any("GatedDeltaNet" in type(m).__name__ for m in model.modules()):
         log(f"linear-attention layers run on the {linear_attention_backend()} path")
     stats = _run(cfg, cache, committed, target, windows, docs, device, d, log)
@@ -210,14 +212,18 @@ def _create(out: Path, cfg: ExtractConfig, fields: dict, extra: dict, plan_array
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **extra,
     }
-    weights = {"embed_tokens.weight": model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16),
-               "lm_head.weight": model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16)}
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed.is_meta or head.is_meta:
+        raise DflashError("--device-map: the target's embeddings and LM head are offloaded to disk; map them to a GPU "
+                          "or the CPU (the cache keeps a copy of both for training)")
+    weights = {"embed_tokens.weight": embed.detach().to("cpu", torch.bfloat16),
+               "lm_head.weight": head.detach().to("cpu", torch.bfloat16)}
     cachelib.create_cache(out, manifest, *plan_arrays, weights=weights, target_config=model.config.to_dict(),
                           compressor=cfg.compressor)
 
 
-def _load_model(path, device, dtype, cfg):
-    model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation)
+def _load_model(path, device, dtype, cfg, log):
+    model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation, cfg.device_map, log)
     return model
 
 

@@ -47,7 +47,12 @@ class RegenerateConfig:
     limit: int | None = None
     """Only the first N rows."""
     device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
     dtype: str = "auto"
+    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
+    device_map: str | None = None
+    """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
+    JSON map of module -> device (inline or a .json file)."""
 
 
 def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | None]:
@@ -71,7 +76,7 @@ def _settings(cfg: RegenerateConfig, target_path) -> dict:
     from dflash.target import config_hash, weights_fingerprint
     from transformers import AutoConfig
 
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "data", "target")}  # batch_size
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}  # batch_size
     # stays: it sets the chunks, and each chunk's sampling seed
     return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
             "target_weights": weights_fingerprint(target_path), "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
@@ -119,7 +124,8 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(meta, settings)
     device = resolve_device(cfg.device)
-    model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device))
+    model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device), device_map=cfg.device_map, log=log)
+    device = model.get_input_embeddings().weight.device  # where generate() takes its inputs
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = model.generation_config.eos_token_id or tok.eos_token_id

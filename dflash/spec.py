@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dflash.drafter import Drafter
 from dflash.errors import DflashError
-from dflash.target import Target
+from dflash.target import Target, decoder_layers
 
 
 def _no_mask(q, k, v):
@@ -29,24 +29,82 @@ def _argmax_head(target: Target, h: torch.Tensor) -> torch.Tensor:
     return target.head(h).argmax(-1)
 
 
-def _new_cache(target: Target):
-    from transformers import DynamicCache
+class RewindableCache:
+    """The target's cache while decoding speculatively: after each verification it keeps only the accepted
+    tokens. Attention layers crop their keys and values (sliding-window ones record what a crop needs).
+    Linear-attention (GatedDeltaNet) layers cannot be cropped: their recurrent state is put back as it was
+    before the block, and their mixer replays the accepted tokens from the inputs it got in the
+    verification (a pre-hook keeps them). A token's input to a layer does not depend on the tokens after
+    it, so these are the inputs a forward of the accepted tokens alone would give, and the mixer alone
+    (not the whole target) runs again."""
 
-    cache = DynamicCache(config=target.model.config)
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers keep what a rewind needs
-        cache.activate_past_recording()
-    if not getattr(cache, "is_croppable", True):
-        raise DflashError("speculative decoding rewinds the target's cache after a rejection; this target's "
-                          "cache (linear attention / sliding window) cannot be rewound")
-    return cache
+    def __init__(self, target: Target):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=target.model.config)
+        self.cache.activate_past_recording()
+        self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
+        self._inputs: dict[int, tuple] = {}
+        self._saved: dict[int, dict] = {}
+        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True) for i, m in self.mixers.items()]
+
+    def _keep_inputs(self, i: int):
+        def hook(module, args, kwargs):
+            self._inputs[i] = (args, kwargs)
+        return hook
+
+    def save(self) -> None:
+        """Before a verification: the recurrent states the block is about to advance."""
+        self._saved = {i: {s: x.clone() for s, x in self.cache.layers[i].recurrent_states.items() if x is not None}
+                       for i in self.mixers}
+
+    def rewind(self, verified: int, keep: int) -> None:
+        """Keep the first `keep` of the `verified` tokens the last forward added. A negative crop removes
+        that many tokens in every transformers 5 release (the positive one changed meaning)."""
+        for i, layer in enumerate(self.cache.layers):
+            if i not in self.mixers:
+                layer.crop(keep - verified)
+            elif keep == verified:
+                layer.crop(0)  # trims the recorded convolution inputs back to the kernel's width
+            else:
+                layer.crop(-verified)  # the convolution state before the block
+                for s, x in self._saved[i].items():
+                    layer.recurrent_states[s].copy_(x)
+                args, kwargs = self._inputs[i]
+                self.mixers[i](*_first_tokens(args, verified, keep), **_first_tokens(kwargs, verified, keep))
+        self._inputs.clear()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
 
-def _rewind(cache, keep: int) -> None:
-    """Cut the cache back to its first `keep` positions. A negative argument removes that many tokens
-    in every transformers 5 release (the positive one changed meaning)."""
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
+def _linear_mixers(target: Target, cache) -> dict:
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    layers = decoder_layers(target.model, target.num_layers)
+    mixers = {}
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        mixer = getattr(layers[i], "linear_attn", None)
+        if mixer is None or isinstance(layer, DynamicLayer):
+            raise DflashError(f"dflash spec: {target.config.model_type}'s layer {i} keeps a recurrent state of a kind "
+                              f"dflash cannot rewind yet ({type(layer).__name__}, {type(layers[i]).__name__})")
+        mixers[i] = mixer
+    return mixers
+
+
+def _first_tokens(args, verified: int, keep: int):
+    """The mixer's arguments cut to the first `keep` tokens: tensors whose sequence dimension (1, or 0
+    for vectors such as cache positions) holds the `verified` tokens."""
+    def cut(x):
+        if not torch.is_tensor(x):
+            return x
+        if x.ndim >= 2 and x.shape[1] == verified:
+            return x[:, :keep]
+        return x[:keep] if x.ndim == 1 and x.shape[0] == verified else x
+    return {k: cut(v) for k, v in args.items()} if isinstance(args, dict) else [cut(v) for v in args]
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -58,8 +116,10 @@ def eos_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def target_greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     """The target alone: one token per forward, with a KV cache."""
-    device = target.head.weight.device
-    cache = _new_cache(target)
+    from transformers import DynamicCache
+
+    device = target.device
+    cache = DynamicCache(config=target.model.config)
     _, last = target.forward(torch.tensor([prompt], device=device), cache)
     out = [int(_argmax_head(target, last[0, -1]))]
     while len(out) < max_new and out[-1] not in eos:
@@ -72,10 +132,21 @@ def target_greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]
 def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_new: int,
                        eos: set[int]) -> tuple[list[int], list[int]]:
     """(tokens, accepted draft tokens per cycle)."""
+    cache = RewindableCache(target)
+    try:
+        out, accepted = _decode(target, drafter, cache, prompt, max_new, eos)
+    finally:
+        cache.close()
+    out = _cut(out, max_new, eos)
+    if accepted:  # the last cycle may run past max_new or an end token: count only what it kept
+        accepted[-1] = len(out) - 2 - sum(a + 1 for a in accepted[:-1])
+    return out, accepted
+
+
+def _decode(target: Target, drafter: Drafter, cache: RewindableCache, prompt, max_new, eos):
     cfg = drafter.cfg
-    B, device = cfg.block_size, target.head.weight.device
-    cache = _new_cache(target)
-    hidden, last = target.forward(torch.tensor([prompt], device=device), cache)
+    B, device = cfg.block_size, target.device
+    hidden, last = target.forward(torch.tensor([prompt], device=device), cache.cache)
     n = len(prompt)
     ctx_kv = drafter.context_kv(drafter.context(torch.stack(hidden, 2)[0]), torch.arange(n, device=device))
     bonus = int(_argmax_head(target, last[0, -1]))
@@ -86,7 +157,8 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_
         block[0] = bonus
         h = drafter(None, None, block, torch.arange(n, n + B, device=device), _no_mask, ctx_kv=ctx_kv)
         draft = _argmax_head(target, h[1:].to(target.head.weight.dtype))  # [B-1]
-        hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache)  # verify positions n..n+B-1
+        cache.save()
+        hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache.cache)  # verify positions n..n+B-1
         choice = _argmax_head(target, last[0])  # [B]: the target's token after each verified position
         a = int((draft == choice[:-1]).long().cumprod(0).sum())
         new_tokens = draft[:a].tolist() + [int(choice[a])]
@@ -94,14 +166,11 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_
         accepted.append(a)
         if eos.intersection(new_tokens):
             break
-        _rewind(cache, n + a + 1)  # keep the bonus and the accepted tokens
+        cache.rewind(B, a + 1)  # keep the bonus and the accepted tokens
         new = drafter.context(torch.stack(hidden, 2)[0, : a + 1])
         kv = drafter.context_kv(new, torch.arange(n, n + a + 1, device=device))
         ctx_kv = [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1)) for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
         n, bonus = n + a + 1, int(choice[a])
-    out = _cut(out, max_new, eos)
-    if accepted:  # the last cycle may run past max_new or an end token: count only what it kept
-        accepted[-1] = len(out) - 2 - sum(a + 1 for a in accepted[:-1])
     return out, accepted
 
 
@@ -172,7 +241,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     dev = resolve_device(device)
-    model, tokenizer = load_target(resolve_target(target_name), dev, resolve_dtype(dtype, dev))
+    model, tokenizer = load_target(resolve_target(target_name), dev, resolve_dtype(dtype, dev), log=log)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     drafter, _ = load_drafter(drafter_path, embed, head, device=dev)
     target = Target(model, drafter.cfg.target_layer_ids)

@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -138,15 +139,18 @@ def linear_attention_backend() -> str:
 
 
 class Target:
-    """A frozen causal LM with forward hooks on the captured layers."""
+    """A frozen causal LM with forward hooks on the captured layers. Its outputs are gathered on `device`
+    (default: where its embeddings are), wherever a device map put the layers that computed them."""
 
-    def __init__(self, model, layer_ids: list[int], greedy_chunk: int = 4096):
+    def __init__(self, model, layer_ids: list[int], greedy_chunk: int = 4096, device: torch.device | None = None):
         self.model = model
         self.config = text_config(model.config)
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
         self.backbone = model.get_decoder()
         self.head = model.get_output_embeddings()
+        self.input_device = model.get_input_embeddings().weight.device
+        self.device = device or self.input_device
         self.greedy_chunk = greedy_chunk
         # transformers renamed `past_key_values` to `cache` (5.2x); take whichever the model has
         self._cache_arg = "cache" if "cache" in inspect.signature(self.backbone.forward).parameters else "past_key_values"
@@ -170,11 +174,12 @@ class Target:
         its fast causal kernel. `cache`: a Hugging Face KV cache to continue from (decoding)."""
         self._captured.clear()
         kwargs = {self._cache_arg: cache} if cache is not None else {}
+        input_ids = input_ids.to(self.input_device, non_blocking=True)
         last = self.backbone(input_ids=input_ids, use_cache=cache is not None, **kwargs).last_hidden_state
         self._captured[self.num_layers - 1] = last
-        hidden = [self._captured[i] for i in self.layer_ids]
+        hidden = [self._captured[i].to(self.device, non_blocking=True) for i in self.layer_ids]  # no-ops on one device
         self._captured.clear()
-        return hidden, last
+        return hidden, last.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
@@ -182,7 +187,7 @@ class Target:
         more than `greedy_chunk` rows of logits."""
         out = torch.empty(h.shape[0], dtype=torch.int64, device=h.device)
         for i in range(0, h.shape[0], self.greedy_chunk):
-            out[i : i + self.greedy_chunk] = self.head(h[i : i + self.greedy_chunk]).argmax(-1)
+            out[i : i + self.greedy_chunk] = self.head(h[i : i + self.greedy_chunk]).argmax(-1).to(h.device)
         return out
 
 
@@ -197,17 +202,49 @@ def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
 
 
 def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
-                attn_implementation: str | None = None):
-    """(model, tokenizer): the model frozen in eval mode on `device`."""
+                attn_implementation: str | None = None, device_map: str | None = None, log=print):
+    """(model, tokenizer): the model frozen in eval mode on `device`, or spread over the machine's devices
+    by `device_map` (see `parse_device_map`); families that need it made prefix-invariant (families.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from dflash.families import make_exact
+
     hf_logging.disable_progress_bar()  # dflash draws its own progress; keep stdout/stderr clean
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if device_map:
+        kwargs["device_map"] = parse_device_map(device_map)
+        if isinstance(kwargs["device_map"], dict) and "disk" in kwargs["device_map"].values():
+            kwargs["offload_folder"] = tempfile.mkdtemp(prefix="dflash-offload-")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         raise DflashError(f"--target {path}: cannot load ({str(e).splitlines()[0]})") from None
-    model.to(device).eval().requires_grad_(False)
+    if not device_map:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    for note in make_exact(model):
+        log(note)
+    if device_map:
+        placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
+        log(f"--device-map {device_map if len(device_map) < 40 else '(map)'}: the target's layers on {', '.join(placed)}")
     return model, tokenizer
+
+
+def parse_device_map(value: str) -> str | dict:
+    """`--device-map` as `from_pretrained` takes it: a strategy of transformers (`auto`, `balanced`,
+    `balanced_low_0`, `sequential`) or a JSON object of module name -> device (inline or a .json file);
+    modules mapped to `disk` are offloaded to a temporary folder."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise DflashError("--device-map needs the `accelerate` package: pip install accelerate")
+    if value in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return value
+    try:
+        text = Path(value).read_text() if value.endswith(".json") else value
+        mapping = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise DflashError(f"--device-map {value}: not a strategy (auto, balanced, sequential) nor a JSON map ({e})") from None
+    if not isinstance(mapping, dict):
+        raise DflashError(f"--device-map {value}: a JSON map must be an object of module name -> device")
+    return mapping

@@ -54,7 +54,8 @@ def drafter_config(cfg: TrainConfig, cache: Cache) -> DrafterConfig:
 
     heads = pick("num_attention_heads")
     return DrafterConfig(
-        num_layers=cfg.num_layers, hidden_size=m["hidden_size"], intermediate_size=pick("intermediate_size"),
+        # MoE targets without a dense MLP width (Qwen3.5-MoE): 3x hidden, the dense Qwen3 ratio
+        num_layers=cfg.num_layers, hidden_size=m["hidden_size"], intermediate_size=pick("intermediate_size") or 3 * m["hidden_size"],
         num_attention_heads=heads, num_key_value_heads=pick("num_key_value_heads", heads),
         head_dim=pick("head_dim") or m["hidden_size"] // heads, rms_norm_eps=target.get("rms_norm_eps", 1e-6),
         rope_theta=cfg.rope_theta or rope.get("rope_theta") or target.get("rope_theta", 1e6),

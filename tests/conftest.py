@@ -90,23 +90,6 @@ def committed(path: Path) -> list[int]:
     return sorted(int(p.stem) for p in (path / "commits").glob("*.json"))
 
 
-def tiny_qwen3_next(path: Path) -> Path:
-    """A tiny random Qwen3-Next (GatedDeltaNet + full attention + MoE) saved as a HF folder."""
-    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    config = Qwen3NextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, layer_types=["linear_attention"] * 3 + ["full_attention"])
-    torch.manual_seed(0)
-    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def bf16_bits_to_float(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
 

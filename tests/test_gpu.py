@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, bf16_bits_to_float, extract_args, read_arrays, rel_err, run_in_process, sample_rows,
-                      tiny_qwen3_next, write_jsonl)
+                      write_jsonl)
+from families import tiny_target
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,7 @@ def test_gated_deltanet_fla_path_agrees_with_the_torch_path(tmp_path):
         pytest.fail("flash-linear-attention is not installed: this check needs it (see bench/README.md)")
     import fla
 
-    target = tiny_qwen3_next(tmp_path / "qwen3-next")
+    target = tiny_target("qwen3_next", tmp_path / "qwen3-next")
     data = write_jsonl(tmp_path / "d.jsonl", sample_rows(20, 20))
     gpu_out = tmp_path / "gpu"
     result = run_in_process(extract_args(data, gpu_out, target=target, layers="0,1,3", device="cuda"))

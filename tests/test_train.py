@@ -244,9 +244,10 @@ def test_follow_trains_on_shards_as_they_are_committed(tmp_path, tiny_cache):
 
 
 def test_eval_refuses_a_drafter_of_another_target(trained_run, tmp_path):
-    from conftest import extract_args, sample_rows, tiny_qwen3_next, write_jsonl
+    from conftest import extract_args, sample_rows, write_jsonl
+    from families import tiny_target
 
-    target = tiny_qwen3_next(tmp_path / "other-target")  # hidden 64, not the tiny target's 256
+    target = tiny_target("qwen3_next", tmp_path / "other-target")  # hidden 64, not the tiny target's 256
     data = write_jsonl(tmp_path / "d.jsonl", sample_rows(4, 0))
     other = tmp_path / "other-cache"
     assert run_in_process(extract_args(data, other, target=target, layers="0,1,2")).exit_code == 0
