@@ -6,6 +6,11 @@ and config there and records how they were made in data/tiny-target/TRAINING.jso
 
     python scripts/train_tiny_target.py --out data/tiny-target --minutes 4          # on the GPU
     python scripts/train_tiny_target.py --out /tmp/t --smoke                         # a CPU check of the script
+    python scripts/train_tiny_target.py --arch qwen3_5 --out data/tiny-hybrid-target # the GatedDeltaNet hybrid
+
+`--arch qwen3_5`: a Qwen3.5-style hybrid of the same widths, two GatedDeltaNet layers before each full
+attention layer (Qwen3.5 has three), for speculative decoding on a hybrid target. It trains through
+transformers' torch path of GatedDeltaNet, uncompiled: fla's backward needs Triton >= 3.7.1.
 
 Held-out: every 20th stdlib file (by sorted path) is kept out of training; its loss is measured every
 `--eval-every` steps and the weights with the best held-out loss are the ones saved (the corpus is small:
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = ("idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "encodings", "site-packages", "pydoc_data",
@@ -89,9 +94,25 @@ def held_out_loss(model, tokens: np.ndarray, seq: int, device, max_windows: int 
     return float(np.mean(losses))
 
 
+def model_config(arch: str, tok, hidden: int, layers: int):
+    sizes = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=hidden // 64 or 1, num_key_value_heads=max(1, hidden // 128),
+                 head_dim=64 if hidden >= 64 else hidden, max_position_embeddings=4096,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+                 bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if arch == "qwen3":
+        return AutoConfig.for_model("qwen3", **sizes)
+    heads = max(1, hidden // 64)  # GatedDeltaNet heads as wide as the attention heads
+    kinds = ["linear_attention", "linear_attention", "full_attention"]
+    return AutoConfig.for_model("qwen3_5_text", **sizes, layer_types=[kinds[i % 3] for i in range(layers)],
+                                linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=64,
+                                linear_value_head_dim=64, linear_conv_kernel_dim=4)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--arch", choices=["qwen3", "qwen3_5"], default="qwen3", help="dense Qwen3 or a GatedDeltaNet hybrid")
     p.add_argument("--minutes", type=float, default=4.0, help="training time budget (unless --epochs)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the corpus (replaces --minutes)")
     p.add_argument("--corpus", default=None, help=".npz of tokens: loaded if it exists, else built and saved")
@@ -106,7 +127,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="a few CPU steps at toy size")
     args = p.parse_args()
     if args.smoke:
-        args.hidden, args.layers, args.seq, args.batch, args.max_steps, args.eval_every = 64, 2, 128, 4, 6, 3
+        args.hidden, args.layers, args.seq, args.batch, args.max_steps, args.eval_every = 64, 3, 128, 4, 6, 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-target")
     t0 = time.time()
@@ -114,18 +135,14 @@ def main():
     train_tokens, held_tokens = train_tokens.astype(np.int32), held_tokens.astype(np.int32)
     print(f"corpus (Python {corpus_python} stdlib): {n_files} files, {len(train_tokens):,} train / {len(held_tokens):,} held-out tokens "
           f"({time.time() - t0:.0f}s)", flush=True)
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64 or 1,
-                         num_key_value_heads=max(1, args.hidden // 128), head_dim=64 if args.hidden >= 64 else args.hidden,
-                         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = model_config(args.arch, tok, args.hidden, args.layers)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(device)
+    model = AutoModelForCausalLM.from_config(config).to(device)
+    model.config.use_cache = False  # training: no KV / recurrent cache (set back before saving)
     n_params = sum(q.numel() for q in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
-    step_fn = torch.compile(model) if device.type == "cuda" else model
+    step_fn = torch.compile(model) if device.type == "cuda" and args.arch == "qwen3" else model
     data = batches(train_tokens, args.seq, args.batch, np.random.default_rng(0))
     budget = args.minutes * 60
     # the schedule needs a length: --epochs, or the speed of steps 10..40 (after the compile) and --minutes
@@ -173,12 +190,13 @@ def main():
     out = Path(args.out)
     if out.resolve() != (REPO / "data" / "tiny-target").resolve():
         shutil.copytree(REPO / "data" / "tiny-target", out, dirs_exist_ok=True)
+    model.config.use_cache = True
     model.config.dflash_mask_token_id = tok.convert_tokens_to_ids("<|mask|>")
     # it ends a "file" with <|endoftext|> (it never saw a chat turn end): both stop generation
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
     model.generation_config.pad_token_id = tok.pad_token_id
     model.to(torch.bfloat16).save_pretrained(out)
-    record = {"what": "Qwen3ForCausalLM trained on the CPython standard library's .py sources",
+    record = {"what": f"{type(model).__name__} trained on the CPython standard library's .py sources",
               "script": "scripts/train_tiny_target.py", "args": vars(args), "parameters": n_params,
               "train_tokens_seen": step * args.batch * args.seq, "corpus_train_tokens": int(len(train_tokens)),
               "held_out_tokens": int(len(held_tokens)), "corpus_python": corpus_python, "held_out_loss": held, "best_step": best_step, "steps": step,

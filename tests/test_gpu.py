@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,19 @@ def test_gated_deltanet_fla_path_agrees_with_the_torch_path(tmp_path):
     assert np.array_equal(g["input_ids"], c["input_ids"])
     for slot in range(3):
         assert rel_err(bf16_bits_to_float(g["hidden"][:, :, slot]), bf16_bits_to_float(c["hidden"][:, :, slot])) < 3e-2
+
+
+def test_device_map_on_the_gpu_equals_one_device(tmp_path, small_data):
+    """--device-map on the GPU: half the tiny target's layers mapped to the CPU (accelerate streams their
+    weights to the GPU at each forward) writes the cache of the target on the GPU alone."""
+    split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0,
+             **{f"model.layers.{i}": (0 if i < 3 else "cpu") for i in range(6)}}
+    one, mapped = tmp_path / "one", tmp_path / "mapped"
+    assert run_in_process(extract_args(small_data, one, device="cuda")).exit_code == 0
+    result = run_in_process(extract_args(small_data, mapped, device="cuda", device_map=json.dumps(split)))
+    assert result.exit_code == 0, result.output
+    a, b = read_arrays(one), read_arrays(mapped)
+    for name in ("input_ids", "loss_mask", "doc_lens", "row_ids"):
+        assert np.array_equal(a[name], b[name]), name
+    assert rel_err(bf16_bits_to_float(b["hidden"]), bf16_bits_to_float(a["hidden"])) < 1e-2
+    assert (a["target_ids"] == b["target_ids"]).mean() > 0.99
