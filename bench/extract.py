@@ -5,10 +5,15 @@
    forward-only tokens/s over the same batches, fill ratio, bytes per token, and where the time goes.
    The extraction runs twice: into the disk folder given, and into /dev/shm (no disk in the way).
 2. A GatedDeltaNet target (Qwen3.5-shaped, cut to 3 linear-attention + 1 full-attention layers):
-   extraction through fla's kernels (this process) and through transformers' torch fallback (a
-   subprocess that cannot import fla); tokens/s of both and how far their states differ.
+   fla's forward-only rate at one fixed shape and over the extraction's batches, extraction through
+   fla's kernels (this process: its first extraction, with every compile and autotune, and a timed one)
+   and through transformers' torch fallback (a subprocess that cannot import fla); how far their
+   states differ.
+3. MoE targets (Qwen3-30B-A3B- and gpt-oss-20b-shaped, a few layers): forward-only tokens/s of each
+   experts implementation at one shape, extraction vs forward-only over the same batches at two
+   forward sizes, MFU on active parameters, the share of expert work spent on padding.
 
-    python bench/extract.py --out $OUT/extract --work /tmp/bench
+    python bench/extract.py --out $OUT/extract --work /tmp/bench [--parts qwen3,gdn,moe]
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ from dflash.target import Target, load_target  # noqa: E402
 
 TINY_TOKENIZER = REPO / "data" / "tiny-target"
 DEVICE = "cuda"
+PEAK_FLOPS = 811e12  # bf16 matmul measured on the H200 (the MFU of bench/train.py uses the same)
+MOE_SHAPES = {
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "config": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144)},
+    "gpt-oss-20b": {"model_type": "gpt_oss", "config": dict(
+        vocab_size=201088, hidden_size=2880, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2)},
+}
 
 
 def log(*a):
@@ -82,6 +97,11 @@ def make_target(path: Path, kind: str, smoke: bool = False) -> None:
             rms_norm_eps=1e-6, tie_word_embeddings=False)
         config.update(small)
         cls = transformers.Qwen3ForCausalLM
+    elif kind in MOE_SHAPES:
+        config = transformers.AutoConfig.for_model(MOE_SHAPES[kind]["model_type"], **MOE_SHAPES[kind]["config"],
+                                                   tie_word_embeddings=False)
+        config.update(dict(small, num_local_experts=8, num_experts=8, moe_intermediate_size=32) if smoke else {})
+        cls = transformers.AutoModelForCausalLM.from_config
     elif hasattr(transformers, "Qwen3_5ForCausalLM"):
         config = transformers.Qwen3_5TextConfig(
             vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
@@ -193,29 +213,8 @@ def gdn_torch_path(cfg: ExtractConfig, fla_dir: str) -> dict:
     return {"error": out.stderr[-2000:]}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True, help="folder for results.json")
-    p.add_argument("--work", default="/tmp/bench", help="scratch folder on the disk being measured")
-    p.add_argument("--tokens", type=int, default=1_000_000)
-    p.add_argument("--gdn-tokens", type=int, default=60_000)
-    p.add_argument("--fla-dir", default="/tmp/fla", help="the folder fla was installed into (hidden from the torch run)")
-    p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script, measures nothing")
-    args = p.parse_args()
-    global DEVICE
-    if args.smoke:
-        DEVICE = "cpu"
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    import transformers
-
-    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-           "torch": torch.__version__,
-           "transformers": transformers.__version__}
-    log(json.dumps(res))
-
-    # 1. Qwen3-8B-shaped, 6 layers, capture [1, 3, 5]
+def part_qwen3(args, res, work):
+    """1. Qwen3-8B-shaped, 6 layers, capture [1, 3, 5]."""
     t = time.perf_counter()
     n_rows = make_data(work / "data.jsonl", args.tokens)
     make_target(work / "qwen3-8b-6l", "qwen3", args.smoke)
@@ -238,19 +237,60 @@ def main():
         log("shm:", json.dumps(res["shm"]))
         shutil.rmtree(cfg.out)
     shutil.rmtree(work / "qwen3-8b-6l")
+    d, f = res["disk"], res["forward_only"]
+    rows = [("forward only (same batches)", f"{f['tokens_per_s']:,.0f}", "")]
+    for name in ("disk", "disk_8_threads", "shm"):
+        if name in res:
+            r = res[name]
+            rows.append((f"extract -> {name}", f"{r['tokens_per_s']:,.0f}",
+                         f"{r['tokens_per_s'] / f['tokens_per_s']:.0%} of forward; GPU in forwards {r['gpu_forward_s']:.1f}s; "
+                         f"waited {r['wait_for_writer_s']:.1f}s for writer; writer busy {r['write_s']:.1f}s of {r['seconds']:.1f}s"))
+    rows.append(("fill ratio / bytes per token", f"{d['fill_ratio']:.1%}", f"{d['bytes_per_token']:,.0f} B"))
+    return rows
 
-    # 2. GatedDeltaNet target: fla path here, torch path in a process without fla
+
+def fixed_shape_rate(cfg: ExtractConfig, rows: int, width: int, repeats: int = 10) -> dict:
+    """Forward-only tokens/s of the target at one batch shape [rows, width], after one warm-up forward
+    (the kernels see this shape only: what fla's kernels do at their best)."""
+    model, _ = load_target(Path(cfg.target), torch.device(DEVICE), torch.bfloat16,
+                           experts_implementation=cfg.experts_implementation, log=lambda *a: None)
+    target = Target(model, [0])
+    ids = torch.randint(0, 4000, (rows, width), device=DEVICE)
+    target.forward(ids)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        _, last = target.forward(ids)
+        target.greedy(last.reshape(-1, last.shape[-1]))
+    sync()
+    dt = (time.perf_counter() - t0) / repeats
+    del model, target
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"rows": rows, "width": width, "tokens_per_s": rows * width / dt, "ms": dt * 1e3}
+
+
+def part_gdn(args, res, work):
+    """2. GatedDeltaNet target: fla here (cold extraction first, then timed), torch in a process without fla."""
+    from bench.fla_shapes import TritonEvents
     from dflash.target import linear_attention_backend
 
+    events = TritonEvents() if DEVICE == "cuda" else None
     make_target(work / "gdn", "gdn", args.smoke)
     make_data(work / "gdn.jsonl", args.gdn_tokens, seed=1)
     gcfg = ExtractConfig(target=str(work / "gdn"), data=[str(work / "gdn.jsonl")], out=str(work / "gdn-fla"),
                          layers=[0, 1, 3], token_budget=8192, max_docs=64, batch_size=16, batch_tokens=32768,
                          device=DEVICE)
     res["gdn_backend_here"] = linear_attention_backend()
-    res["gdn_fla_warmup_s"] = warm_up(gcfg)
+    res["gdn_fla_cold"] = timed_extract(gcfg)  # the process's first: every compile and autotune counted
+    res["gdn_fla_cold"]["triton"] = events.take() if events else {}
+    log("gdn fla, cold:", json.dumps(res["gdn_fla_cold"]))
     res["gdn_fla"] = timed_extract(gcfg)
+    res["gdn_fla"]["triton"] = events.take() if events else {}
     log("gdn fla:", json.dumps(res["gdn_fla"]))
+    res["gdn_forward_only"] = forward_only(gcfg, work / "gdn-fla")
+    res["gdn_fixed_shape"] = fixed_shape_rate(gcfg, 8, 2048)
+    log("gdn forward only:", json.dumps(res["gdn_forward_only"]), json.dumps(res["gdn_fixed_shape"]))
     tcfg = ExtractConfig(**{**gcfg.__dict__, "out": str(work / "gdn-torch")})
     res["gdn_torch"] = gdn_torch_path(tcfg, args.fla_dir)
     log("gdn torch:", json.dumps(res["gdn_torch"]))
@@ -262,23 +302,111 @@ def main():
             y = torch.from_numpy(b.read_shard(s).hidden.view(np.int16)).view(torch.bfloat16).float()
             errs.append(((x - y).norm() / y.norm()).item())
         res["gdn_rel_err_fla_vs_torch"] = max(errs)
-    (out / "results.json").write_text(json.dumps(res, indent=2))
-
-    d, f = res["disk"], res["forward_only"]
-    rows = [("forward only (same batches)", f"{f['tokens_per_s']:,.0f}", "")]
-    for name in ("disk", "disk_8_threads", "shm"):
-        if name in res:
-            r = res[name]
-            rows.append((f"extract -> {name}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['tokens_per_s'] / f['tokens_per_s']:.0%} of forward; GPU in forwards {r['gpu_forward_s']:.1f}s; "
-                         f"waited {r['wait_for_writer_s']:.1f}s for writer; writer busy {r['write_s']:.1f}s of {r['seconds']:.1f}s"))
-    rows.append(("fill ratio / bytes per token", f"{d['fill_ratio']:.1%}", f"{d['bytes_per_token']:,.0f} B"))
-    rows.append((f"GDN extract, fla ({res['gdn_backend_here']})", f"{res['gdn_fla']['tokens_per_s']:,.0f}",
-                 f"after a {res['gdn_fla_warmup_s']:.0f}s warm-up (Triton autotuning)"))
+    fixed, fo = res["gdn_fixed_shape"]["tokens_per_s"], res["gdn_forward_only"]["tokens_per_s"]
+    rows = [("GDN forward only, fla, fixed shape 8x2048", f"{fixed:,.0f}", "the kernels at their best"),
+            ("GDN forward only, fla, extraction's batches", f"{fo:,.0f}", f"{fo / fixed:.0%} of fixed shape")]
+    for name, what in (("gdn_fla_cold", "first in the process (every compile)"), ("gdn_fla", "second")):
+        r = res[name]
+        tri = r.get("triton") or {}
+        rows.append((f"GDN extract, fla ({res['gdn_backend_here']}), {what}", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['tokens_per_s'] / fixed:.0%} of fixed shape; {r['wall_s']:.1f}s wall; "
+                     f"{tri.get('compiles', '-')} compiles ({tri.get('compile_s', '-')}s), "
+                     f"{tri.get('tunes', '-')} autotunes ({tri.get('tune_s', '-')}s)"))
     if "error" not in res["gdn_torch"]:
-        rows.append(("GDN extract, torch fallback", f"{res['gdn_torch']['tokens_per_s']:,.0f}",
-                     f"after a {res['gdn_torch']['warmup_s']:.0f}s warm-up; max rel err vs fla "
-                     f"{res['gdn_rel_err_fla_vs_torch']:.2e}"))
+        t = res["gdn_torch"]
+        rows.append(("GDN extract, torch fallback", f"{t['tokens_per_s']:,.0f}",
+                     f"fla second run is {res['gdn_fla']['tokens_per_s'] / t['tokens_per_s']:.2f}x; "
+                     f"max rel err vs fla {res['gdn_rel_err_fla_vs_torch']:.2e}"))
+    shutil.rmtree(work / "gdn-fla", ignore_errors=True)
+    shutil.rmtree(work / "gdn-torch", ignore_errors=True)
+    return rows
+
+
+def active_flops_per_token(config, width: int) -> float:
+    """Forward FLOPs per token of an MoE target counted on active parameters: 2 per active weight
+    (attention, routed experts actually used, shared experts, routers; the LM head for the greedy
+    token), plus attention scores over an average context of width / 2 (window-capped)."""
+    c = config
+    H, L = c.hidden_size, c.num_hidden_layers
+    heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn = H * hd * (2 * heads + 2 * kv)
+    experts = getattr(c, "num_experts", None) or c.num_local_experts
+    inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    mlp = 3 * H * inter * c.num_experts_per_tok + H * experts
+    window = getattr(c, "sliding_window", None) or width
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * L
+    ctx = sum(min(width, window) if k == "sliding_attention" else width for k in kinds) / 2
+    return 2 * (L * (attn + mlp) + H * c.vocab_size) + 4 * ctx * heads * hd
+
+
+def part_moe(args, res, work):
+    """3. MoE targets: experts implementations, extraction vs forward-only, MFU, padding share."""
+    from transformers import AutoConfig
+
+    make_data(work / "moe.jsonl", args.moe_tokens, seed=2)
+    rows = []
+    for kind in MOE_SHAPES:
+        make_target(work / kind, kind, args.smoke)
+        r = res.setdefault("moe", {}).setdefault(kind, {})
+        config = AutoConfig.from_pretrained(work / kind)
+        for impl in ("grouped_mm", "eager", "batched_mm"):
+            cfg = ExtractConfig(target=str(work / kind), data=[str(work / "moe.jsonl")], out=str(work / "moe-cache"),
+                                layers=[1, 3], token_budget=8192, max_docs=64, device=DEVICE, experts_implementation=impl)
+            try:
+                r[impl] = fixed_shape_rate(cfg, 8, 2048, repeats=3 if impl != "grouped_mm" else 10)
+            except torch.OutOfMemoryError as e:
+                r[impl] = {"error": str(e).splitlines()[0][:200]}
+                torch.cuda.empty_cache()
+            log(kind, impl, json.dumps(r[impl]))
+            rate = r[impl].get("tokens_per_s")
+            mfu = rate * active_flops_per_token(config, 2048) / PEAK_FLOPS if rate else None
+            rows.append((f"{kind} forward only, {impl}, 8x2048", f"{rate:,.0f}" if rate else "-",
+                         f"MFU on active parameters {mfu:.1%}" if mfu else r[impl].get("error", "")))
+        for batch_tokens in (32768, 65536):
+            cfg = ExtractConfig(target=str(work / kind), data=[str(work / "moe.jsonl")], out=str(work / "moe-cache"),
+                                layers=[1, 3], token_budget=8192, max_docs=64, batch_size=64, batch_tokens=batch_tokens,
+                                device=DEVICE)
+            warm_up(cfg)
+            ex = timed_extract(cfg)
+            fo = forward_only(cfg, work / "moe-cache")
+            pad = 1 - ex["tokens"] / ex["padded_tokens"]
+            r[f"extract_{batch_tokens}"], r[f"forward_only_{batch_tokens}"] = ex, fo
+            rows.append((f"{kind} extract, {batch_tokens} tokens/forward", f"{ex['tokens_per_s']:,.0f}",
+                         f"{ex['tokens_per_s'] / fo['tokens_per_s']:.0%} of forward-only ({fo['tokens_per_s']:,.0f}); "
+                         f"MFU {ex['tokens_per_s'] * active_flops_per_token(config, 700) / PEAK_FLOPS:.1%}; "
+                         f"padding {pad:.1%} of expert tokens"))
+            log(kind, batch_tokens, json.dumps(ex), json.dumps(fo))
+            shutil.rmtree(work / "moe-cache")
+        shutil.rmtree(work / kind)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, help="folder for results.json")
+    p.add_argument("--work", default="/tmp/bench", help="scratch folder on the disk being measured")
+    p.add_argument("--parts", default="qwen3,gdn,moe", help="which measurements: qwen3, gdn, moe")
+    p.add_argument("--tokens", type=int, default=1_000_000)
+    p.add_argument("--gdn-tokens", type=int, default=2_000_000)
+    p.add_argument("--moe-tokens", type=int, default=1_000_000)
+    p.add_argument("--fla-dir", default="/tmp/fla", help="the folder fla was installed into (hidden from the torch run)")
+    p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script, measures nothing")
+    args = p.parse_args()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__}
+    log(json.dumps(res))
+    rows = []
+    for part in args.parts.split(","):
+        rows += {"qwen3": part_qwen3, "gdn": part_gdn, "moe": part_moe}[part](args, res, work)
+        (out / "results.json").write_text(json.dumps(res, indent=2))  # after each part: a cut run keeps what it measured
     print("\n| measure | tok/s | notes |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")

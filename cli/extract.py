@@ -36,6 +36,8 @@ def _int_list(ctx, param, value):
 @click.option("--compressor", type=click.Choice(["none", "zstd"]), help="Compression of hidden chunks (default none).")
 @click.option("--attn-implementation", help="Passed to from_pretrained: sdpa, eager, flash_attention_2.")
 @click.option("--device-map", help="Spread the target over the GPUs: auto, balanced, sequential or a JSON map.")
+@click.option("--experts-implementation", type=click.Choice(["auto", "grouped_mm", "batched_mm", "eager"]),
+              help="MoE targets: how experts run (default auto = grouped_mm).")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own modeling code.")
 @user_errors
 def extract(preset, **options):

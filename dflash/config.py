@@ -60,6 +60,8 @@ class ExtractConfig:
     device_map: str | None = None
     """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
     JSON map of module -> device (inline or a .json file). Captured states are gathered on `device`."""
+    experts_implementation: str = "auto"
+    """MoE targets: `auto` (= `grouped_mm`, the fastest exact one), `grouped_mm`, `batched_mm`, `eager`."""
     trust_remote_code: bool = False
     """Allow the target's own modeling code. Off unless asked for."""
 
@@ -90,6 +92,11 @@ class ExtractConfig:
             from dflash.target import parse_device_map
 
             parse_device_map(self.device_map)
+        from dflash.target import EXPERTS_IMPLEMENTATIONS
+
+        if self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise DflashError(f"--experts-implementation must be one of {', '.join(EXPERTS_IMPLEMENTATIONS)}, "
+                              f"got {self.experts_implementation!r}")
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ from dflash.data import DROP_REASONS, Doc, Dropped, Tokenizer, file_fingerprints
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.errors import DflashError
 from dflash.packing import PACKER, plan_shards
-from dflash.target import (Target, check_layer_ids, config_hash, default_layer_ids, linear_attention_backend,
+from dflash.target import (Target, check_layer_ids, config_hash, default_layer_ids,
                            load_target, resolve_device, resolve_dtype, resolve_target, text_config,
                            tokenizer_hash, weights_fingerprint)
 
@@ -89,8 +89,6 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         model = _load_model(target_path, device, dtype, cfg, log)
     docs = _docs_for(cfg, tokenizer, cache, windows, docs)
     target = Target(model, layer_ids, device=device)
-    if any("GatedDeltaNet" in type(m).__name__ for m in model.modules()):
-        log(f"linear-attention layers run on the {linear_attention_backend()} path")
     stats = _run(cfg, cache, committed, target, windows, docs, device, d, log)
     d.barrier()
     if d.is_main:
@@ -223,7 +221,8 @@ def _create(out: Path, cfg: ExtractConfig, fields: dict, extra: dict, plan_array
 
 
 def _load_model(path, device, dtype, cfg, log):
-    model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation, cfg.device_map, log)
+    model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation, cfg.device_map,
+                           cfg.experts_implementation, log)
     return model
 
 

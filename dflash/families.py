@@ -81,3 +81,35 @@ def _causal_indexer_forward(self, hidden_states, q_resid, position_embeddings, a
     scores = index_scores(self, hidden_states, q_resid, position_embeddings, cache if cache is not None else past_key_values)
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0  # [B, S, T] causal (+ padding)
     return causal_topk(scores, allowed, self.index_topk)
+
+
+# fla kernels whose autotuning key holds a size that changes with a forward's shape: the number of
+# 65,536-row blocks of an l2norm input (rows x width x heads) and the number of rows of a cumsum. A new
+# value costs a fresh autotune (25 compiles and benchmarks, ~9 s on an H200 for l2norm), so a forward of
+# every new size paid it. The config changes speed only, never the result: tuned once per width instead.
+_FLA_SHAPE_KEYS = {"fla.modules.norm.l2norm": {"l2norm_fwd_kernel": "NB"},
+                   "fla.ops.utils.cumsum": {"chunk_local_cumsum_scalar_kernel": "B",
+                                            "chunk_local_cumsum_vector_kernel": "B"}}
+
+
+def tune_fla_once() -> int:
+    """Drop the shape-dependent sizes from those kernels' autotuning keys; returns how many changed
+    (0 where fla or a kernel is missing, or a release already keys them otherwise)."""
+    import importlib
+
+    changed = 0
+    for module_name, kernels in _FLA_SHAPE_KEYS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # no fla, or no Triton
+            continue
+        for name, size in kernels.items():
+            tuner = getattr(module, name, None)
+            if size in getattr(tuner, "keys", ()):
+                tuner.keys = [k for k in tuner.keys if k != size]
+                changed += 1
+    return changed
+
+
+def has_linear_attention(model) -> bool:
+    return any("GatedDeltaNet" in type(m).__name__ for m in model.modules())

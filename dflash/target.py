@@ -202,13 +202,15 @@ def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
 
 
 def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
-                attn_implementation: str | None = None, device_map: str | None = None, log=print):
+                attn_implementation: str | None = None, device_map: str | None = None,
+                experts_implementation: str = "auto", log=print):
     """(model, tokenizer): the model frozen in eval mode on `device`, or spread over the machine's devices
-    by `device_map` (see `parse_device_map`); families that need it made prefix-invariant (families.py)."""
+    by `device_map` (see `parse_device_map`); families that need it made prefix-invariant (families.py);
+    MoE experts as `choose_experts` says."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from dflash.families import make_exact
+    from dflash.families import has_linear_attention, make_exact, tune_fla_once
 
     hf_logging.disable_progress_bar()  # dflash draws its own progress; keep stdout/stderr clean
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -226,10 +228,34 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
     model.eval().requires_grad_(False)
     for note in make_exact(model):
         log(note)
+    if has_linear_attention(model):
+        backend = linear_attention_backend()
+        tuned = backend == "fla" and tune_fla_once()
+        log(f"linear-attention layers run on the {backend} path" + (" (fla kernels autotuned once per width, not "
+                                                                    "per forward size)" if tuned else ""))
+    choose_experts(model, experts_implementation, log)
     if device_map:
         placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
         log(f"--device-map {device_map if len(device_map) < 40 else '(map)'}: the target's layers on {', '.join(placed)}")
     return model, tokenizer
+
+
+EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "batched_mm", "eager")
+
+
+def choose_experts(model, requested: str, log) -> str | None:
+    """How an MoE target runs its experts (None: not an MoE). `auto` is transformers' `grouped_mm`: one
+    grouped GEMM per projection over the tokens sorted by expert, exact, and on an H200 4.5x the
+    per-expert loop (`eager`); `batched_mm` gathers a weight copy per token (memory grows with tokens)."""
+    if not type(model)._can_set_experts_implementation():
+        return None
+    chosen = "grouped_mm" if requested == "auto" else requested
+    model.set_experts_implementation(chosen)
+    device = model.get_input_embeddings().weight.device
+    slow = chosen == "grouped_mm" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
+    log(f"MoE experts: {chosen}" + (" (this GPU predates sm80: transformers runs it as a loop over experts)"
+                                    if slow else ""))
+    return chosen
 
 
 def parse_device_map(value: str) -> str | dict:

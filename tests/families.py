@@ -41,6 +41,7 @@ FAMILIES = {
     "glm_moe_dsa": dict(_MLA, **_MOE, index_topk=16, index_head_dim=16, index_n_heads=2),
 }
 HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MOE = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 
 
 def tiny_target(model_type: str, path: Path, seed: int = 0) -> Path:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import REPO, bf16_bits_to_float, read_arrays, rel_err, run_in_process, sample_rows, write_jsonl
 from dflash.families import make_exact
-from families import FAMILIES, HYBRIDS, MASK_ID, tiny_target
+from families import FAMILIES, HYBRIDS, MASK_ID, MOE, tiny_target
 
 LAYERS = [0, 2, 3]  # the last one (3) is HF's hidden_states[4]: after the final norm
 MAX_LEN = 96  # documents are truncated to this: longer than every window (16) and indexer top-k (16)
@@ -74,6 +74,7 @@ def test_family_end_to_end(tmp_path, data, prompts, model_type):
     assert r.exit_code == 0, r.output
     if model_type in HYBRIDS:
         assert "linear-attention layers run on the torch path" in r.output
+    assert ("MoE experts: grouped_mm" in r.output) == (model_type in MOE), r.output
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     make_exact(model)  # as dflash loads it (a causal top-k for GLM-5's indexer)
