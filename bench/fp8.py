@@ -18,7 +18,7 @@ Every part stops at its share of `--budget` and records what it has; `--parts` r
 
     source bench/setup_device.sh || exit; python3 bench/fp8.py --out $OUT
     python bench/fp8.py --smoke --out /tmp/fp8-smoke        # toy sizes on the CPU, to check the script
-    python bench/fp8.py --parts error --device cpu --out DIR --error-caches CACHE...   # error of bf16 caches
+    python bench/fp8.py --parts error --device cpu --out DIR --error-caches CACHE... --random-tokens 8000
 """
 
 from __future__ import annotations
@@ -103,6 +103,30 @@ def error_table(results: dict) -> list[str]:
                         f"{r['row']['max_channel_rel_rms'][i]:.4f} | {r['peak_to_rms'][i]:.0f} |")
     return ["| states | layer | 128-block rel RMS | its worst channel | per-row rel RMS | its worst channel | "
             "peak/RMS |", "|---|---|---|---|---|---|---|", *rows]
+
+
+def random_target_error(args, work: Path, out: Path, device: str) -> dict:
+    """Reconstruction error of a Qwen3-8B-width random target's states (hidden 4096, GQA 32/8, MLP 12288; cut
+    to `--random-layers` layers, a vocabulary of `--random-vocab`), captured at layers 1..L-1 of
+    `--random-tokens` tokens of the sample text."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from bench.train import QWEN3_8B
+
+    path, cache = work / "qwen3-8b-width", work / "qwen3-8b-width-cache"
+    shape = {k: QWEN3_8B[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                      "intermediate_size", "rms_norm_eps", "max_position_embeddings")}
+    config = transformers.Qwen3Config(**shape, num_hidden_layers=args.random_layers, vocab_size=args.random_vocab,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(REPO / "data" / "tiny-target").save_pretrained(path)  # ids < 4096 fit any vocab
+    layers = ",".join(map(str, range(1, args.random_layers)))
+    run([*DFLASH, "extract", "--target", str(path), "--data", "data/sample/text.jsonl", "--out", str(cache),
+         "--layers", layers, "--token-budget", "1024", "--max-docs", "16", "--batch-tokens", "4096",
+         "--limit", str(max(1, args.random_tokens // 250)), "--device", device], out / "error.log")
+    return reconstruction_error(cache, device)
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -304,6 +328,10 @@ def main():
     p.add_argument("--train-steps", type=int, default=25)
     p.add_argument("--extract-tokens", type=int, default=500_000)
     p.add_argument("--error-caches", nargs="*", default=[], help="error: bf16 caches to measure")
+    p.add_argument("--random-tokens", type=int, default=0,
+                   help="error: also a Qwen3-8B-width random target's states, on about this many tokens")
+    p.add_argument("--random-layers", type=int, default=4, help="error: its depth")
+    p.add_argument("--random-vocab", type=int, default=4096, help="error: its vocabulary")
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks this script, measures nothing")
     args = p.parse_args()
@@ -325,6 +353,8 @@ def main():
         try:
             if part == "error":
                 res["error"] = {str(c): reconstruction_error(Path(c), args.device) for c in args.error_caches}
+                if args.random_tokens:
+                    res["error"]["Qwen3-8B-width random"] = random_target_error(args, work, out, args.device)
             else:
                 fn = {"tau": part_tau, "train": part_train, "extract": part_extract}[part]
                 res[part] = fn(args, work, out, args.device, deadline)
