@@ -4,7 +4,7 @@
    `--tau-steps` steps on the preset's target-written data, target layers 1, 3, 5) trained from a bf16 cache
    and from its fp8 conversions (128-channel blocks, one scale per row), same seed and data, plus a bf16 run
    of another seed for the noise floor; the runs share the GPU. Offline tau of each on one bf16 cache of the
-   target's answers to the 100 held-out prompts (`dflash spec --save-outputs`); the 128-block fp8 drafter
+   target's answers to the 100 held-out prompts (prompt/completion rows); the 128-block fp8 drafter
    also on the fp8 conversion of it. Reconstruction error of the tiny target's states, both layouts.
 2. train: bench/train.py's run a (Qwen3-8B drafter shape, T = 12288 of 4 x 3072-token documents, 2048 anchors,
    compiled) from a bf16 cache and from its `dflash cache convert` to fp8: step time, input wait, MFU,
@@ -149,18 +149,31 @@ def state_bytes(path: Path) -> float:
 # -- 1. tau ------------------------------------------------------------------------------------------------
 
 
+def target_answers(work: Path, log_path: Path, device: str, limit: int | None) -> Path:
+    """The tiny target's greedy answers (128 new tokens) to the 100 held-out code headers, as prompt/completion
+    rows (loss on the answer only), as `dflash spec --save-outputs` writes them, but batched."""
+    prompts, gen, answers = REPO / "data/sample/code_prompts.jsonl", work / "answers.gen.jsonl", work / "answers.jsonl"
+    run([*DFLASH, "regenerate", "--target", "data/tiny-target", "--data", str(prompts), "--out", str(gen),
+         "--prompt-tokens", "100000", "--max-new-tokens", "128", "--batch-size", "100", "--device", device,
+         *(["--limit", str(limit)] if limit else [])], log_path)
+    with gen.open() as g, prompts.open() as src, answers.open("w") as out:
+        for line, original in zip(g, src):
+            prompt, text = json.loads(original)["text"], json.loads(line)["text"]
+            row = {"prompt": prompt, "completion": text[len(prompt):]} if text.startswith(prompt) else {"text": text}
+            out.write(json.dumps(row) + "\n")
+    return answers
+
+
+
 def part_tau(args, work: Path, out: Path, device: str, deadline: float) -> dict:
     res: dict = {"steps": args.tau_steps, "seconds": {}}
     lp = out / "tau.log"
     small = ["--limit", "40"] if args.smoke else []
-    answers = work / "answers.jsonl"
-    res["seconds"]["spec"] = run([*DFLASH, "spec", "--target", "data/tiny-target", "--drafter", "data/tiny-drafter",
-                                  "--prompts", "data/sample/code_prompts.jsonl", "--max-new-tokens", "128",
-                                  "--save-outputs", str(answers), "--device", device, "--json",
-                                  *(["--limit", "4", "--max-new-tokens", "24"] if args.smoke else [])], lp)
+    answers = target_answers(work, lp, device, 4 if args.smoke else None)
     caches = {"bf16": work / "tau-bf16", "answers": work / "tau-answers"}
+    gpu_batches = [] if args.smoke else ["--batch-size", "512", "--batch-tokens", "131072"]
     res["seconds"]["extract"] = run([*DFLASH, "extract", "--config", PRESET, "--out", str(caches["bf16"]),
-                                     "--layers", "1,3,5", "--device", device, *small], lp)
+                                     "--layers", "1,3,5", "--device", device, *gpu_batches, *small], lp)
     run([*DFLASH, "extract", "--config", PRESET, "--out", str(caches["answers"]), "--layers", "1,3,5",
          "--data", str(answers), "--device", device], lp)
     for name, block in (("fp8_block128", 128), ("fp8_row", 0)):
@@ -191,7 +204,7 @@ def part_tau(args, work: Path, out: Path, device: str, deadline: float) -> dict:
             p.kill()
             p.wait()
     res["seconds"]["train"] = time.monotonic() - t
-    res["runs"] = {}
+    res["runs"], evals = {}, {}
     for name in procs:
         run_dir = work / f"run-{name}"
         r: dict = {"exit": procs[name].returncode}
@@ -200,14 +213,15 @@ def part_tau(args, work: Path, out: Path, device: str, deadline: float) -> dict:
         steps = [x for x in metrics if "loss" in x]
         r["steps_done"] = steps[-1]["step"] if steps else 0
         r["final_loss"] = steps[-1]["loss"] if steps else None
-        if procs[name].returncode == 0:
-            evals = [("answers", caches["answers"])] + ([("answers_fp8", caches["answers_fp8"])]
-                                                        if name == "fp8_block128" else [])
-            for key, cache in evals:
-                ev = subprocess.run([*DFLASH, "eval", "--drafter", str(run_dir), "--cache", str(cache), "--json",
-                                     "--device", device], capture_output=True, text=True, cwd=REPO)
-                r[key] = json.loads(ev.stdout) if ev.returncode == 0 else {"error": ev.stderr[-500:]}
         res["runs"][name] = r
+        if procs[name].returncode == 0:  # every drafter on the bf16 answers; the fp8 one on their fp8 copy too
+            for key in ("answers", "answers_fp8") if name == "fp8_block128" else ("answers",):
+                evals[name, key] = subprocess.Popen(
+                    [*DFLASH, "eval", "--drafter", str(run_dir), "--cache", str(caches[key]), "--json", "--device",
+                     device], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    for (name, key), p in evals.items():
+        stdout, stderr = p.communicate()
+        res["runs"][name][key] = json.loads(stdout) if p.returncode == 0 else {"error": stderr[-500:]}
     base = res["runs"].get("bf16", {}).get("answers", {}).get("tau")
     for r in res["runs"].values():
         tau = r.get("answers", {}).get("tau")
@@ -381,10 +395,10 @@ def summary(res: dict) -> None:
         f8 = tau["runs"].get("fp8_block128", {}).get("answers_fp8", {})
         if "tau" in f8:
             lines.append(f"| fp8_block128 on the fp8 answers cache | | | {f8['tau']:.3f} | |")
-    lines += ["", "| measure | bf16 | fp8 | fp8 vs bf16 |", "|---|---|---|---|"]
+    measures = []
     if "step_ms" in tr.get("bf16", {}) and "step_ms" in tr.get("fp8", {}):
         b, f = tr["bf16"], tr["fp8"]
-        lines += [f"| train step ms, T = {tr['T']} | {b['step_ms']:.1f} | {f['step_ms']:.1f} | {tr['fp8_step_vs_bf16']:+.2%} |",
+        measures += [f"| train step ms, T = {tr['T']} | {b['step_ms']:.1f} | {f['step_ms']:.1f} | {tr['fp8_step_vs_bf16']:+.2%} |",
                   f"| input wait | {b['input_wait']:.3%} | {f['input_wait']:.3%} | |",
                   f"| MFU / recompiles / peak GB | {b['mfu']:.1%} / {b['recompiles']} / {b['peak_mem_gb']:.1f} | "
                   f"{f['mfu']:.1%} / {f['recompiles']} / {f['peak_mem_gb']:.1f} | |",
@@ -394,13 +408,15 @@ def summary(res: dict) -> None:
                               ("disk incl. sync", "disk", "tokens_per_s_synced")):
         b, f = ex.get(f"{key}_bf16", {}), ex.get(f"{key}_fp8", {})
         if field in b and field in f:
-            lines.append(f"| extract -> {where}, tok/s | {b[field]:,.0f} | {f[field]:,.0f} | {f[field] / b[field] - 1:+.1%} |")
+            measures.append(f"| extract -> {where}, tok/s | {b[field]:,.0f} | {f[field]:,.0f} | {f[field] / b[field] - 1:+.1%} |")
     for what, r in (("extract", ex.get("disk_fp8") and {"bf16": ex["disk_bf16"].get("state_bytes_per_token"),
                                                         "fp8": ex["disk_fp8"].get("state_bytes_per_token")}),
                     ("train", tr.get("state_bytes_per_token")), ("tau (tiny)", tau.get("state_bytes_per_token"))):
         if r and r.get("bf16") and (r.get("fp8") or r.get("fp8_block128")):
             f = r.get("fp8") or r.get("fp8_block128")
-            lines.append(f"| state bytes per token, {what} cache | {r['bf16']:,.0f} | {f:,.0f} | {f / r['bf16']:.3f}x |")
+            measures.append(f"| state bytes per token, {what} cache | {r['bf16']:,.0f} | {f:,.0f} | {f / r['bf16']:.3f}x |")
+    if measures:
+        lines += ["", "| measure | bf16 | fp8 | fp8 vs bf16 |", "|---|---|---|---|", *measures]
     errors = {k: v for k, v in (("tiny target", tau.get("error")), ("Qwen3-8B-shaped random", ex.get("error")))
               if isinstance(v, dict) and "layers" in v}
     errors.update({Path(k).name: v for k, v in res.get("error", {}).items() if isinstance(v, dict) and "layers" in v})

@@ -50,9 +50,11 @@ def info(path, as_json):
         f"fill ratio   {i['fill_ratio']:.1%}",
         f"on disk      {_size(i['bytes_on_disk'])}"
         + (f"  ({_size(i['bytes_per_token'])} per token; {_size(i['shard_bytes_per_token'])} without the "
-           f"target's embeddings and head; {_size(i['state_bytes_per_token'])} of states)" if i["bytes_per_token"] else ""),
+           f"target's embeddings and head; {_size(i['state_bytes_per_token'])} of states)"
+           if i["bytes_per_token"] else ""),
         f"storage      {m['storage_dtype']}"
         + (f", one bf16 scale per {m['scale_block']} channels" if m.get("scale_block") else "")
+        + (" (one per token and layer)" if m.get("scale_block") == m["hidden_size"] else "")
         + f" (computed in {m['compute_dtype']})",
     ]
     click.echo("\n".join(lines))

@@ -40,7 +40,8 @@ SHARD_ARRAYS = ("input_ids", "loss_mask", "target_ids")
 PLAN_ARRAYS = ("doc_lens", "row_ids")
 LIST_ARRAYS = ("dropped_row_ids", "dropped_reasons", "truncated_row_ids")
 # Everything a cache folder may hold: an interrupted creation leaves a subset of these.
-CACHE_ENTRIES = {"zarr.json", "hidden", "hidden_scale", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS, WEIGHTS_FILE, TARGET_CONFIG_FILE}
+CACHE_ENTRIES = {"zarr.json", "hidden", "hidden_scale", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS,
+                 WEIGHTS_FILE, TARGET_CONFIG_FILE}
 # Manifest fields hashed into the cache key: everything that changes what the cache holds.
 KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokenizer_hash", "chat_template_hash",
               "data_sha256", "limit", "layer_ids", "token_budget", "max_docs", "max_len", "compute_dtype",
@@ -56,7 +57,8 @@ class CorruptShardError(DflashError):
 
 
 def cache_key(fields: dict) -> str:
-    hashed = {k: fields[k] for k in KEY_FIELDS} | {k: fields[k] for k in OPTIONAL_KEY_FIELDS if fields.get(k) is not None}
+    hashed = {k: fields[k] for k in KEY_FIELDS}
+    hashed |= {k: fields[k] for k in OPTIONAL_KEY_FIELDS if fields.get(k) is not None}
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -209,10 +211,10 @@ class Cache:
         """Channels per fp8 scale (None: bf16 storage)."""
         return self.manifest["scale_block"] if self.fp8 else None
 
-    def layer_buffers(self, L: int | None = None) -> dict[str, np.ndarray]:
+    def layer_buffers(self) -> dict[str, np.ndarray]:
         """Empty [L', T, ...] buffers for `read_shard_into`: one contiguous block per chunk."""
         m = self.manifest
-        L, T = len(self.layer_slots) if L is None else L, m["token_budget"]
+        L, T = len(self.layer_slots), m["token_budget"]
         if not self.fp8:
             return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint16)}
         return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint8),

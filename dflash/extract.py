@@ -412,8 +412,8 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
         if slot.scale is not None:
             slot.scale[:, w, offset:].zero_()
         slot.target_ids[w, offset:] = pad
-    hidden_flat = slot.hidden.flatten(1, 2)  # [L, W*T, H]
-    scale_flat = None if slot.scale is None else slot.scale.flatten(1, 2)  # [L, W*T, G]
+    hidden_flat = slot.hidden.view(slot.hidden.shape[0], -1, slot.hidden.shape[-1])  # [L, W*T, H]
+    scale_flat = None if slot.scale is None else slot.scale.view(slot.scale.shape[0], -1, slot.scale.shape[-1])
     target_flat = slot.target_ids.view(-1)
     lengths = [len(doc.input_ids) for doc, _ in placed]
     padded = 0

@@ -28,7 +28,8 @@ def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] (any float dtype, any device) -> (q [..., H] uint8: e4m3 bits, scale [..., G] bf16)."""
     H = x.shape[-1]
     G = num_groups(H, block)
-    xb = F.pad(x.float(), (0, G * block - H)).unflatten(-1, (G, block))  # [..., G, block]
+    x = x.float()
+    xb = (F.pad(x, (0, G * block - H)) if G * block > H else x).unflatten(-1, (G, block))  # [..., G, block]
     scale = (xb.abs().amax(-1) / E4M3_MAX).to(SCALE_DTYPE)  # [..., G]
     s = scale.float()
     # divide by the stored (rounded) scale, so q · scale reproduces x as well as e4m3 allows; a rounded-down

@@ -39,8 +39,8 @@ class Inputs:
     def empty(T: int, L: int, H: int, D: int, device, pin: bool = False, scale_block: int | None = None) -> "Inputs":
         """Buffers for bf16 states, or (scale_block given) for fp8 states and their scales."""
         def make(shape, dtype):
-            t = torch.zeros(shape, dtype=dtype, device=device)
-            return t.pin_memory() if pin else t
+            t = torch.zeros(shape, dtype=torch.uint8 if dtype == torch.float8_e4m3fn else dtype, device=device)
+            return (t.pin_memory() if pin else t).view(dtype)  # (fp8 as bytes: zero-filled on any build)
         fp8_storage = scale_block is not None
         return Inputs(make((L, T, H), torch.float8_e4m3fn if fp8_storage else torch.bfloat16), make(T, torch.int32),
                       make(T, torch.uint8), make(T, torch.int32), make(D, torch.int32),

@@ -51,7 +51,7 @@ def test_round_trip_error_is_e4m3_rounding_and_zeros_stay_zero(block):
     s = scale.float().repeat_interleave(block, -1)[:, :320]
     # 3 mantissa bits: half an ulp is 2^-4 relative; below e4m3's normal range, half a step of 2^-9 scales
     assert ((y - x).abs() <= 2**-4 * x.abs() + 2**-10 * s + 1e-30).all()
-    assert torch.equal(y[[3, 40]], torch.zeros(2, 320)) and torch.equal(scale[[3, 40]].float(), torch.zeros_like(scale[[3, 40]].float()))
+    assert torch.equal(y[[3, 40]], torch.zeros(2, 320)) and not scale[[3, 40]].any()
     assert rel_err(y, x) < 0.04
 
 
