@@ -340,7 +340,7 @@ def main():
     p.add_argument("--tau-steps", type=int, default=6000)
     p.add_argument("--tau-runs", default=",".join(TAU_RUNS), help=f"any of {', '.join(TAU_RUNS)}")
     p.add_argument("--train-steps", type=int, default=25)
-    p.add_argument("--extract-tokens", type=int, default=500_000)
+    p.add_argument("--extract-tokens", type=int, default=300_000)
     p.add_argument("--error-caches", nargs="*", default=[], help="error: bf16 caches to measure")
     p.add_argument("--random-tokens", type=int, default=0,
                    help="error: also a Qwen3-8B-width random target's states, on about this many tokens")

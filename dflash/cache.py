@@ -81,6 +81,14 @@ def key_differences(old: dict, new: dict) -> list[str]:
     return diffs
 
 
+def check_same_key(out: Path, existing: dict, fields: dict) -> None:
+    """Refuse to resume the cache at `out` (manifest `existing`) with inputs of another key."""
+    diffs = key_differences(existing, fields)
+    if diffs:
+        raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
+                          + "; ".join(diffs) + ". Use another --out.")
+
+
 def checksum(a: np.ndarray) -> int:
     """crc32c of an array's bytes: the value zarr's crc32c codec appends to a chunk. The `crc32c`
     package releases the GIL (google_crc32c, zarr's own, does not), so writer threads checksumming

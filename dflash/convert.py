@@ -45,10 +45,7 @@ def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_blo
         _create(out, src_cache, manifest)
         log(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest['cache_key']})")
     else:
-        diffs = cachelib.key_differences(existing, manifest)
-        if diffs:
-            raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
-                              + "; ".join(diffs) + ". Use another --out.")
+        cachelib.check_same_key(out, existing, manifest)
     dst = cachelib.Cache(out, mode="r+")
     done = set(dst.committed())
     src_committed = src_cache.committed()

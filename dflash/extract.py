@@ -64,10 +64,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         fields = _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype)
         existing = cachelib.read_manifest(out)
         if existing is not None:
-            diffs = cachelib.key_differences(existing, fields)
-            if diffs:
-                raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
-                                  + "; ".join(diffs) + ". Use another --out.")
+            cachelib.check_same_key(out, existing, fields)
         else:
             docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
             model = _load_model(target_path, device, dtype, cfg)

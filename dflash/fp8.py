@@ -51,7 +51,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dt
 
 def to_bits(t: torch.Tensor) -> np.ndarray:
     """A host tensor's storage bits as numpy (what the cache's chunks hold): bf16 -> uint16, fp8 -> uint8."""
-    if t.dtype in (torch.bfloat16, torch.float16):
+    if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     if t.dtype == torch.float8_e4m3fn:
         return t.view(torch.uint8).numpy()
