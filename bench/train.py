@@ -66,6 +66,7 @@ def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarra
                                                       "num_layers": dims["num_hidden_layers"]},
                 "stats": {"rows": len(doc_lens), "docs": len(doc_lens), "tokens": int(doc_lens.sum()),
                           "loss_tokens": int(sum(m.sum() for m in loss_masks)), "truncated": 0, "dropped": {}}}
+    manifest.update({k: manifest.get(k) for k in cachelib.KEY_FIELDS})  # what `dflash cache convert` hashes
     g = torch.Generator(device=device).manual_seed(0)
     weights = {"embed_tokens.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu(),
                "lm_head.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu()}

@@ -1,4 +1,4 @@
-"""`dflash cache info|verify|ls`: look into caches."""
+"""`dflash cache info|verify|ls|convert`: look into caches, shrink one to fp8."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dflash_cli.main import user_errors
 
 @click.group()
 def cache():
-    """Inspect and check hidden-state caches."""
+    """Inspect, check and convert hidden-state caches."""
 
 
 def _size(n: float) -> str:
@@ -50,8 +50,12 @@ def info(path, as_json):
         f"fill ratio   {i['fill_ratio']:.1%}",
         f"on disk      {_size(i['bytes_on_disk'])}"
         + (f"  ({_size(i['bytes_per_token'])} per token; {_size(i['shard_bytes_per_token'])} without the "
-           f"target's embeddings and head)" if i["bytes_per_token"] else ""),
-        f"storage      {m['storage_dtype']} (computed in {m['compute_dtype']})",
+           f"target's embeddings and head; {_size(i['state_bytes_per_token'])} of states)"
+           if i["bytes_per_token"] else ""),
+        f"storage      {m['storage_dtype']}"
+        + (f", one bf16 scale per {m['scale_block']} channels" if m.get("scale_block") else "")
+        + (" (one per token and layer)" if m.get("scale_block") == m["hidden_size"] else "")
+        + f" (computed in {m['compute_dtype']})",
     ]
     click.echo("\n".join(lines))
 
@@ -96,3 +100,21 @@ def ls(root):
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
     for r in [header, *rows]:
         click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+@cache.command()
+@click.argument("src", type=click.Path(file_okay=False))
+@click.option("--storage", type=click.Choice(["fp8"]), required=True, help="The new storage of the states.")
+@click.option("--out", required=True, help="The new cache folder; running the same command again resumes it.")
+@click.option("--scale-block", type=int, default=128, show_default=True,
+              help="Channels per fp8 scale (0: one per token and layer).")
+@click.option("--device", default="auto", show_default=True, help="Where to quantise: auto, cpu, cuda, cuda:N.")
+@click.option("--write-threads", type=int, default=4, show_default=True, help="Threads writing chunks.")
+@user_errors
+def convert(src, storage, out, scale_block, device, write_threads):
+    """Rewrite the bf16 cache SRC with fp8 storage at --out (~half the disk), without the target.
+
+    SRC is only read, each shard checked against its checksums; the new cache has its own key."""
+    from dflash.convert import convert as run
+
+    run(src, out, storage=storage, scale_block=scale_block, device=device, write_threads=write_threads)

@@ -34,6 +34,9 @@ def _int_list(ctx, param, value):
 @click.option("--dtype", help="Target compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32.")
 @click.option("--limit", type=int, help="Use only the first N rows.")
 @click.option("--compressor", type=click.Choice(["none", "zstd"]), help="Compression of hidden chunks (default none).")
+@click.option("--storage", type=click.Choice(["bf16", "fp8"]),
+              help="How states are stored: bf16 (default) or fp8 (e4m3 + scales, ~half the bytes).")
+@click.option("--scale-block", type=int, help="fp8: channels per scale (default 128; 0: one per token and layer).")
 @click.option("--attn-implementation", help="Passed to from_pretrained: sdpa, eager, flash_attention_2.")
 @click.option("--device-map", help="Spread the target over the GPUs: auto, balanced, sequential or a JSON map.")
 @click.option("--experts-implementation", type=click.Choice(["auto", "grouped_mm", "batched_mm", "eager"]),

@@ -3,6 +3,7 @@
 Layout of a cache folder:
     zarr.json                     group; attribute "dflash" = the manifest (written last at creation)
     hidden/ input_ids/ loss_mask/ target_ids/ doc_lens/ row_ids/      the shard arrays
+    hidden_scale/                 fp8 storage only: the scales of `hidden`'s e4m3 values
     dropped_row_ids/ dropped_reasons/ truncated_row_ids/             what the plan left out or cut
     commits/00000042.json         shard 42's commit record (checksums), written last, atomically
     target_weights.safetensors    the target's embed_tokens and lm_head, for training
@@ -25,7 +26,11 @@ import zarr.storage
 
 from dflash.errors import DflashError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # bf16 storage
+FP8_FORMAT_VERSION = 2  # fp8 storage (+ `hidden_scale`): a format-1 reader refuses it instead of misreading it
+SUPPORTED_FORMATS = (FORMAT_VERSION, FP8_FORMAT_VERSION)
+# --storage name -> the manifest's storage_dtype
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 MANIFEST_ATTR = "dflash"
 COMMITS = "commits"
 WEIGHTS_FILE = "target_weights.safetensors"
@@ -35,11 +40,14 @@ SHARD_ARRAYS = ("input_ids", "loss_mask", "target_ids")
 PLAN_ARRAYS = ("doc_lens", "row_ids")
 LIST_ARRAYS = ("dropped_row_ids", "dropped_reasons", "truncated_row_ids")
 # Everything a cache folder may hold: an interrupted creation leaves a subset of these.
-CACHE_ENTRIES = {"zarr.json", "hidden", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS, WEIGHTS_FILE, TARGET_CONFIG_FILE}
+CACHE_ENTRIES = {"zarr.json", "hidden", "hidden_scale", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS,
+                 WEIGHTS_FILE, TARGET_CONFIG_FILE}
 # Manifest fields hashed into the cache key: everything that changes what the cache holds.
 KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokenizer_hash", "chat_template_hash",
               "data_sha256", "limit", "layer_ids", "token_budget", "max_docs", "max_len", "compute_dtype",
               "storage_dtype", "packer")
+# Key fields of fp8 caches only: hashed when present, so that bf16 caches keep their keys.
+OPTIONAL_KEY_FIELDS = ("scale_block",)
 
 
 class CorruptShardError(DflashError):
@@ -49,18 +57,36 @@ class CorruptShardError(DflashError):
 
 
 def cache_key(fields: dict) -> str:
-    return hashlib.sha256(json.dumps({k: fields[k] for k in KEY_FIELDS}, sort_keys=True).encode()).hexdigest()[:20]
+    hashed = {k: fields[k] for k in KEY_FIELDS}
+    hashed |= {k: fields[k] for k in OPTIONAL_KEY_FIELDS if fields.get(k) is not None}
+    return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def storage_fields(storage: str, scale_block: int, hidden_size: int) -> dict:
+    """The manifest fields that say how `hidden` is stored. `scale_block` 0 or >= H: one scale per row."""
+    if storage == "bf16":
+        return {"format_version": FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["bf16"]}
+    block = hidden_size if scale_block <= 0 else min(scale_block, hidden_size)
+    return {"format_version": FP8_FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["fp8"], "scale_block": block}
 
 
 def key_differences(old: dict, new: dict) -> list[str]:
     """Names (and short values) of the key fields in which two manifests differ."""
     diffs = []
-    for k in KEY_FIELDS:
+    for k in KEY_FIELDS + OPTIONAL_KEY_FIELDS:
         a, b = old.get(k), new.get(k)
         if a != b:
             short = lambda v: (json.dumps(v)[:40] + "…") if len(json.dumps(v)) > 40 else json.dumps(v)  # noqa: E731
             diffs.append(f"{k} ({short(a)} in the cache, {short(b)} now)")
     return diffs
+
+
+def check_same_key(out: Path, existing: dict, fields: dict) -> None:
+    """Refuse to resume the cache at `out` (manifest `existing`) with inputs of another key."""
+    diffs = key_differences(existing, fields)
+    if diffs:
+        raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
+                          + "; ".join(diffs) + ". Use another --out.")
 
 
 def checksum(a: np.ndarray) -> int:
@@ -99,7 +125,12 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
         return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
                                   compressors=codecs or _bytes_codecs("none"), config=conf)
 
-    array("hidden", (S, T, L, H), (1, T, 1, H), "uint16", 0, _bytes_codecs(compressor))
+    if manifest["storage_dtype"] == STORAGE_DTYPES["fp8"]:
+        G = num_scale_groups(manifest)
+        array("hidden", (S, T, L, H), (1, T, 1, H), "uint8", 0, _bytes_codecs(compressor))  # e4m3 bits
+        array("hidden_scale", (S, T, L, G), (1, T, 1, G), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
+    else:
+        array("hidden", (S, T, L, H), (1, T, 1, H), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
     array("input_ids", (S, T), (1, T), "int32", manifest["pad_id"])
     array("loss_mask", (S, T), (1, T), "uint8", 0)
     array("target_ids", (S, T), (1, T), "int32", manifest["pad_id"])
@@ -118,6 +149,25 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
     group.attrs[MANIFEST_ATTR] = manifest
 
 
+def num_scale_groups(manifest: dict) -> int:
+    """G: scales per state row of an fp8 cache."""
+    return -(-manifest["hidden_size"] // manifest["scale_block"])
+
+
+def check_writable(out: Path) -> None:
+    """`out` can hold a cache: writable, and empty or already a (possibly half-created) dflash cache."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{id(out)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DflashError(f"--out {out}: cannot write there ({e.strerror})") from None
+    foreign = {p.name for p in out.iterdir() if not p.name.startswith(".")} - CACHE_ENTRIES
+    if foreign and read_manifest(out) is None:
+        raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache (holds {sorted(foreign)[0]!r})")
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -129,12 +179,13 @@ def _file_sha256(path: Path) -> str:
 @dataclass
 class Shard:
     index: int
-    hidden: np.ndarray  # [T, L', H] uint16 (bf16 bits), L' = the layers the cache was opened for (a view)
+    hidden: np.ndarray  # [T, L', H] uint16 (bf16 bits) or uint8 (e4m3 bits); L' = the opened layers (a view)
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] uint8
     target_ids: np.ndarray  # [T] int32
     doc_lens: np.ndarray  # [D] int32
     row_ids: np.ndarray  # [D] int64
+    hidden_scale: np.ndarray | None = None  # fp8 storage: [T, L', G] uint16 (bf16 bits)
 
 
 class Cache:
@@ -145,18 +196,48 @@ class Cache:
         manifest = read_manifest(self.path)
         if manifest is None:
             raise DflashError(f"{path}: not a dflash cache (no manifest in {self.path / 'zarr.json'})")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in SUPPORTED_FORMATS:
             raise DflashError(f"{path}: cache format {manifest.get('format_version')} is not supported "
-                              f"(this dflash reads format {FORMAT_VERSION})")
+                              f"(this dflash reads formats {', '.join(map(str, SUPPORTED_FORMATS))})")
+        if manifest.get("storage_dtype") not in STORAGE_DTYPES.values():
+            raise DflashError(f"{path}: unknown storage_dtype {manifest.get('storage_dtype')!r} in the manifest")
         self.manifest = manifest
+        self.fp8 = manifest["storage_dtype"] == STORAGE_DTYPES["fp8"]
+        # arrays with one chunk per layer per shard: the states, and with fp8 storage their scales
+        self.layer_arrays = ("hidden", "hidden_scale") if self.fp8 else ("hidden",)
         self.group = zarr.open_group(self.path, mode=mode)
-        self.arrays = {name: self.group[name] for name in ("hidden", *SHARD_ARRAYS, *PLAN_ARRAYS)}
+        self.arrays = {name: self.group[name] for name in (*self.layer_arrays, *SHARD_ARRAYS, *PLAN_ARRAYS)}
         cached = manifest["layer_ids"]
         self.layer_ids = list(cached if layers is None else layers)
         missing = [i for i in self.layer_ids if i not in cached]
         if missing:
             raise DflashError(f"{path}: layers {missing} are not in the cache (it holds layers {cached})")
         self.layer_slots = [cached.index(i) for i in self.layer_ids]  # positions along the L axis
+
+    @property
+    def scale_block(self) -> int | None:
+        """Channels per fp8 scale (None: bf16 storage)."""
+        return self.manifest["scale_block"] if self.fp8 else None
+
+    def layer_buffers(self) -> dict[str, np.ndarray]:
+        """Empty [L', T, ...] buffers for `read_shard_into`: one contiguous block per chunk."""
+        m = self.manifest
+        L, T = len(self.layer_slots), m["token_budget"]
+        if not self.fp8:
+            return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint16)}
+        return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint8),
+                "hidden_scale": np.empty((L, T, num_scale_groups(m)), np.uint16)}
+
+    def states(self, shard: Shard, device, dtype):
+        """The shard's states as a [T, L', H] tensor of `dtype` on `device` (fp8: dequantised there)."""
+        import torch
+
+        from dflash import fp8
+
+        if not self.fp8:
+            return fp8.bf16_from_bits(shard.hidden).to(device).to(dtype)
+        q = torch.from_numpy(np.ascontiguousarray(shard.hidden)).to(device)
+        return fp8.dequantize(q, fp8.bf16_from_bits(shard.hidden_scale).to(device), self.scale_block, dtype)
 
     @property
     def num_shards(self) -> int:
@@ -203,18 +284,26 @@ class Cache:
     # -- writing (extract) --------------------------------------------------------------------------
 
     def write_shard(self, shard: int, hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,
-                    target_ids: np.ndarray, pool=None) -> None:
+                    target_ids: np.ndarray, pool=None, hidden_scale: np.ndarray | None = None) -> None:
         """Write one shard's arrays (chunks in parallel on `pool`, a thread pool), then its commit
-        record. `hidden` is [L, T, H] uint16: one contiguous [T, H] block per chunk."""
-        jobs = [("hidden", (shard, 0, slot, 0), block) for slot, block in enumerate(hidden)]
+        record. `hidden` is [L, T, H] uint16 (bf16 bits) or uint8 (e4m3 bits, with `hidden_scale`
+        [L, T, G] uint16): one contiguous [T, ...] block per chunk."""
+        layered = {"hidden": hidden, "hidden_scale": hidden_scale}
+        if (hidden_scale is not None) != self.fp8:
+            raise ValueError(f"{self.path}: hidden_scale is {'required' if self.fp8 else 'not used'} here")
+        jobs = [(name, (shard, 0, slot, 0), block) for name in self.layer_arrays
+                for slot, block in enumerate(layered[name])]
         jobs += [(name, (shard, 0), values) for name, values in
                  (("input_ids", input_ids), ("loss_mask", loss_mask), ("target_ids", target_ids))]
         sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else [self._write_chunk(*j) for j in jobs]
+        crcs, i = {}, 0
+        for name in self.layer_arrays:
+            crcs[name], i = sums[i : i + len(hidden)], i + len(hidden)
+        crcs.update(zip(SHARD_ARRAYS, sums[i:]))
         row_ids, doc_lens = self.arrays["row_ids"][shard], self.arrays["doc_lens"][shard]
         record = {"shard": shard, "cache_key": self.manifest["cache_key"], "docs": int((row_ids >= 0).sum()),
                   "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()),
-                  "crc32c": {"hidden": sums[: len(hidden)], **dict(zip(SHARD_ARRAYS, sums[len(hidden):])),
-                             "row_ids": checksum(row_ids), "doc_lens": checksum(doc_lens)}}
+                  "crc32c": {**crcs, "row_ids": checksum(row_ids), "doc_lens": checksum(doc_lens)}}
         path = self._record_path(shard)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record))
@@ -255,27 +344,34 @@ class Cache:
     def read_shard(self, shard: int, verify: bool = True) -> Shard:
         """One committed shard, reading only the chunks of the opened layers. With `verify`, the bytes
         are checked against the commit record, which also catches a chunk deleted from disk."""
-        T, H, D = self.token_budget, self.manifest["hidden_size"], self.manifest["max_docs"]
-        hidden = np.empty((len(self.layer_slots), T, H), np.uint16)
+        T, D = self.token_budget, self.manifest["max_docs"]
+        layered = self.layer_buffers()
         out = {name: np.empty(T if name in SHARD_ARRAYS else D, self.arrays[name].dtype)
                for name in (*SHARD_ARRAYS, *PLAN_ARRAYS)}
-        self.read_shard_into(shard, hidden, out, verify)
-        return Shard(shard, hidden.transpose(1, 0, 2), **out)
+        self.read_shard_into(shard, layered["hidden"], out, verify, layered.get("hidden_scale"))
+        scale = layered.get("hidden_scale")
+        return Shard(shard, layered["hidden"].transpose(1, 0, 2), **out,
+                     hidden_scale=None if scale is None else scale.transpose(1, 0, 2))
 
     def read_shard_into(self, shard: int, hidden: np.ndarray, arrays: dict[str, np.ndarray],
-                        verify: bool = True) -> None:
-        """Read a committed shard into given buffers (the loader's pinned memory): hidden [L', T, H] uint16,
-        layer-major, so each chunk lands in one contiguous block; `arrays` holds any of input_ids,
-        loss_mask, target_ids, doc_lens, row_ids."""
+                        verify: bool = True, hidden_scale: np.ndarray | None = None) -> None:
+        """Read a committed shard into given buffers (the loader's pinned memory): hidden [L', T, H]
+        (uint16 bf16 bits, or uint8 e4m3 bits with hidden_scale [L', T, G]), layer-major, so each chunk
+        lands in one contiguous block; `arrays` holds any of input_ids, loss_mask, target_ids, doc_lens,
+        row_ids."""
         record = self.commit_record(shard)
         if record is None:
             raise DflashError(f"{self.path}: shard {shard} is not committed")
+        if (hidden_scale is not None) != self.fp8:
+            raise ValueError(f"{self.path}: hidden_scale is {'required' if self.fp8 else 'not used'} here")
         sums = record["crc32c"]
-        for j, slot in enumerate(self.layer_slots):
-            what = f"hidden layer {self.manifest['layer_ids'][slot]}"
-            crc = self._read_chunk_into(shard, "hidden", (shard, 0, slot, 0), hidden[j], what)
-            if verify and crc != sums["hidden"][slot]:
-                raise CorruptShardError(self.path, shard, f"{what}: checksum mismatch")
+        layered = {"hidden": hidden, "hidden_scale": hidden_scale}
+        for name in self.layer_arrays:
+            for j, slot in enumerate(self.layer_slots):
+                what = f"{name} layer {self.manifest['layer_ids'][slot]}"
+                crc = self._read_chunk_into(shard, name, (shard, 0, slot, 0), layered[name][j], what)
+                if verify and crc != sums[name][slot]:
+                    raise CorruptShardError(self.path, shard, f"{what}: checksum mismatch")
         for name, buf in arrays.items():
             if verify and self._read_chunk_into(shard, name, (shard, 0), buf, name) != sums[name]:
                 raise CorruptShardError(self.path, shard, f"{name}: checksum mismatch")
@@ -320,6 +416,7 @@ def info(path: str | Path) -> dict:
     done_tokens = sum(r["tokens"] for r in records)
     size = disk_bytes(cache.path)
     side = sum((cache.path / f).stat().st_size for f in (WEIGHTS_FILE, TARGET_CONFIG_FILE))
+    states = sum(disk_bytes(cache.path / name) for name in cache.layer_arrays)
     return {
         "path": str(cache.path),
         "cache_key": m["cache_key"],
@@ -333,6 +430,8 @@ def info(path: str | Path) -> dict:
         "bytes_on_disk": size,
         "bytes_per_token": size / done_tokens if done_tokens else None,
         "shard_bytes_per_token": (size - side) / done_tokens if done_tokens else None,  # without the weights
+        "state_bytes_per_token": states / done_tokens if done_tokens else None,  # hidden (+ hidden_scale) only
+        "storage": {"dtype": m["storage_dtype"], "scale_block": m.get("scale_block")},
         "manifest": m,
     }
 

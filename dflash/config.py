@@ -55,6 +55,11 @@ class ExtractConfig:
     """Use only the first N rows of the data (in file order)."""
     compressor: str = "none"
     """Chunk compression of `hidden`: `none` (fastest) or `zstd` (level 1, ~1.3x smaller)."""
+    storage: str = "bf16"
+    """How `hidden` is stored: `bf16`, or `fp8` (e4m3 + bf16 scales, quantised on the device at capture:
+    ~half the bytes on disk, in host memory and in host-to-device copies)."""
+    scale_block: int = 128
+    """fp8 storage: channels sharing one scale (0: one scale per token and layer)."""
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None: transformers' choice."""
     device_map: str | None = None
@@ -86,6 +91,7 @@ class ExtractConfig:
             raise DflashError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
         if self.compressor not in ("none", "zstd"):
             raise DflashError(f"--compressor must be none or zstd, got {self.compressor!r}")
+        check_storage(self.storage, self.scale_block)
         if self.limit is not None and self.limit < 1:
             raise DflashError(f"--limit must be >= 1, got {self.limit}")
         if self.device_map:
@@ -207,6 +213,13 @@ class TrainConfig:
     def identity(self) -> dict:
         """The fields a resumed run must share with the run it continues."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUNTIME_FIELDS}
+
+
+def check_storage(storage: str, scale_block: int) -> None:
+    if storage not in ("bf16", "fp8"):
+        raise DflashError(f"--storage must be bf16 or fp8, got {storage!r}")
+    if scale_block < 0:
+        raise DflashError(f"--scale-block must be >= 0 (0: one scale per token and layer), got {scale_block}")
 
 
 # Fields holding paths: resolved against the preset's folder when they come from a preset.

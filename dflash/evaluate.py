@@ -97,14 +97,14 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
     per_anchor, cycles = [], []  # accepted drafts at every valid anchor / per replayed cycle
     for s in shards:
         shard = cache.read_shard(s)
-        hidden = torch.from_numpy(shard.hidden.view("int16")).view(torch.bfloat16).to(device)
+        hidden = cache.states(shard, device, drafter.fc.weight.dtype)  # [T, L, H]; fp8 dequantised as in training
         input_ids = torch.from_numpy(shard.input_ids).long().to(device)
         target_ids = torch.from_numpy(shard.target_ids).long().to(device)
         loss_mask = torch.from_numpy(shard.loss_mask).to(device)
         T = input_ids.shape[0]
         lay = layout(torch.from_numpy(shard.doc_lens).to(device), T)
         valid = valid_anchors(lay, loss_mask).nonzero()[:, 0]  # eval only: data-dependent shapes are fine
-        ctx = drafter.context(hidden.to(drafter.fc.weight.dtype))
+        ctx = drafter.context(hidden)
         ctx_kv = drafter.context_kv(ctx, lay.pos)  # once per shard, shared by every pass of anchors
         k = torch.arange(1, B, device=device)
         accepted_at = torch.full((T,), -1, dtype=torch.long)  # [T] drafts accepted at each valid anchor

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import dflash
 from dflash import cache as cachelib
+from dflash import fp8
 from dflash.config import ExtractConfig
 from dflash.data import DROP_REASONS, Doc, Dropped, Tokenizer, file_fingerprints, read_rows
 from dflash.dist import Dist, close_dist, init_dist
@@ -50,7 +51,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
     if cfg.device_map and d.world > 1:
         raise DflashError("--device-map spreads one target over this machine's GPUs: run one process, not torchrun")
     if d.is_main:
-        _check_writable(out)
+        cachelib.check_writable(out)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     target_path = resolve_target(cfg.target, cfg.trust_remote_code)
@@ -65,10 +66,7 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         fields = _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype)
         existing = cachelib.read_manifest(out)
         if existing is not None:
-            diffs = cachelib.key_differences(existing, fields)
-            if diffs:
-                raise DflashError(f"--out {out} holds a cache with another key ({existing['cache_key']}): it differs in "
-                                  + "; ".join(diffs) + ". Use another --out.")
+            cachelib.check_same_key(out, existing, fields)
         else:
             docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
             model = _load_model(target_path, device, dtype, cfg, log)
@@ -100,19 +98,6 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
 # -- key, plan, creation -------------------------------------------------------------------------------
 
 
-def _check_writable(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{id(out)}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DflashError(f"--out {out}: cannot write there ({e.strerror})") from None
-    foreign = {p.name for p in out.iterdir() if not p.name.startswith(".")} - cachelib.CACHE_ENTRIES
-    if foreign and cachelib.read_manifest(out) is None:
-        raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache (holds {sorted(foreign)[0]!r})")
-
-
 def _load_config_and_tokenizer(path: Path, trust_remote_code: bool):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -128,7 +113,6 @@ def _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype) -> dict:
     tok_hash, template_hash = tokenizer_hash(tokenizer)
     files = file_fingerprints(cfg.data)
     return {
-        "format_version": cachelib.FORMAT_VERSION,
         "target_config_hash": config_hash(config),
         "target_weights": weights_fingerprint(target_path),
         "tokenizer_hash": tok_hash,
@@ -140,7 +124,7 @@ def _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype) -> dict:
         "max_docs": cfg.max_docs,
         "max_len": cfg.resolved_max_len(),
         "compute_dtype": _DTYPE_NAMES[dtype],
-        "storage_dtype": "bfloat16",
+        **cachelib.storage_fields(cfg.storage, cfg.scale_block, text_config(config).hidden_size),
         "packer": PACKER,
         "_files": files,  # not a key field: carried into the manifest
     }
@@ -278,21 +262,30 @@ def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list
 class _Slot:
     """One ring entry: the device buffers a window is computed into, and their host copies."""
 
-    hidden: torch.Tensor  # [L, W, T, H] bf16 on the device
+    hidden: torch.Tensor  # [L, W, T, H] on the device: bf16, or e4m3 bits (uint8) with fp8 storage
     target_ids: torch.Tensor  # [W, T] int32 on the device
-    host_hidden: torch.Tensor  # same, in pinned host memory; the device tensors themselves on CPU
-    host_target_ids: torch.Tensor
+    scale: torch.Tensor | None  # fp8 storage: [L, W, T, G] bf16 on the device
+    host: dict  # the same tensors by name, in pinned host memory (the device tensors themselves on CPU)
     copied: torch.cuda.Event | None = None  # CUDA: the window's device-to-host copy is done
     batches: list = field(default_factory=list)  # CUDA: (start, end) events around each forward
 
+    def device_tensors(self) -> dict:
+        return {"hidden": self.hidden, "target_ids": self.target_ids, "hidden_scale": self.scale}
 
-def _make_slot(L, W, T, H, device) -> _Slot:
-    hidden = torch.zeros(L, W, T, H, dtype=torch.bfloat16, device=device)
-    target_ids = torch.zeros(W, T, dtype=torch.int32, device=device)
+
+def _make_slot(L, W, T, H, device, scale_block: int | None) -> _Slot:
+    fp8_storage = scale_block is not None
+    hidden = torch.zeros(L, W, T, H, dtype=torch.uint8 if fp8_storage else torch.bfloat16, device=device)
+    scale = torch.zeros(L, W, T, fp8.num_groups(H, scale_block), dtype=fp8.SCALE_DTYPE, device=device) \
+        if fp8_storage else None
+    slot = _Slot(hidden, torch.zeros(W, T, dtype=torch.int32, device=device), scale, {})
     if device.type == "cpu":
-        return _Slot(hidden, target_ids, hidden, target_ids)
-    return _Slot(hidden, target_ids, torch.empty_like(hidden, device="cpu").pin_memory(),
-                 torch.empty_like(target_ids, device="cpu").pin_memory(), torch.cuda.Event())
+        slot.host = slot.device_tensors()
+    else:
+        slot.host = {k: None if t is None else torch.empty_like(t, device="cpu").pin_memory()
+                     for k, t in slot.device_tensors().items()}
+        slot.copied = torch.cuda.Event()
+    return slot
 
 
 class _Writer(threading.Thread):
@@ -327,12 +320,14 @@ class _Writer(threading.Thread):
             self.gpu_forward_s += sum(a.elapsed_time(b) for a, b in slot.batches) / 1e3
             slot.batches.clear()
         t1 = time.perf_counter()
-        hidden = slot.host_hidden.view(torch.int16).numpy().view(np.uint16)  # bf16 bits, [L, W, T, H]
-        target_ids = slot.host_target_ids.numpy()
+        hidden = fp8.to_bits(slot.host["hidden"])  # [L, W, T, H]: bf16 bits (uint16) or e4m3 bits (uint8)
+        scale = None if slot.scale is None else fp8.to_bits(slot.host["hidden_scale"])  # [L, W, T, G]
+        target_ids = slot.host["target_ids"].numpy()
         for w, s in enumerate(shards):
             if s in self.committed:
                 continue  # committed before a crash: the window was recomputed, the shard is not rewritten
-            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool)
+            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool,
+                                   hidden_scale=None if scale is None else scale[:, w])
             self.on_commit(s)
         self.write_s += time.perf_counter() - t1
 
@@ -360,7 +355,7 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
 
     free: queue.Queue = queue.Queue()
     for _ in range(2):  # two slots: window k+1 computes while window k is copied and written
-        free.put(_make_slot(L, W, T, H, device))
+        free.put(_make_slot(L, W, T, H, device, cache.scale_block))
     writer = _Writer(cache, committed, free, on_commit, cfg.write_threads)
     writer.start()
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -372,13 +367,14 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
             wait_free_s += time.perf_counter() - t0
             writer.check()
             input_ids, loss_mask, n_real, n_padded = _compute_window(target, slot, shards, row_ids, doc_lens, docs,
-                                                                     T, pad, cfg, device)
+                                                                     T, pad, cfg, device, cache.scale_block)
             tokens, padded = tokens + n_real, padded + n_padded
             if copy_stream is not None:
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(copy_stream):
-                    slot.host_hidden.copy_(slot.hidden, non_blocking=True)
-                    slot.host_target_ids.copy_(slot.target_ids, non_blocking=True)
+                    for name, t in slot.device_tensors().items():
+                        if t is not None:
+                            slot.host[name].copy_(t, non_blocking=True)
                     slot.copied.record(copy_stream)
             writer.jobs.put((slot, shards, input_ids, loss_mask))
     finally:
@@ -396,7 +392,8 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
     return stats
 
 
-def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs, T, pad, cfg, device):
+def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs, T, pad, cfg, device,
+                    scale_block: int | None):
     """Run every document of the window's shards through the target and place its states in the slot.
     Returns the window's host input_ids / loss_mask [W, T], its real and its padded token counts."""
     W = len(shards)
@@ -414,8 +411,11 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
             placed.append((doc, w * T + offset))
             offset += n
         slot.hidden[:, w, offset:].zero_()  # pad positions hold zeros (the slot is reused)
+        if slot.scale is not None:
+            slot.scale[:, w, offset:].zero_()
         slot.target_ids[w, offset:] = pad
     hidden_flat = slot.hidden.view(slot.hidden.shape[0], -1, slot.hidden.shape[-1])  # [L, W*T, H]
+    scale_flat = None if slot.scale is None else slot.scale.view(slot.scale.shape[0], -1, slot.scale.shape[-1])
     target_flat = slot.target_ids.view(-1)
     lengths = [len(doc.input_ids) for doc, _ in placed]
     padded = 0
@@ -437,7 +437,14 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
         dst_t = torch.from_numpy(np.concatenate(dst)).to(device, non_blocking=True)
         hidden, last = target.forward(torch.from_numpy(ids).to(device, non_blocking=True))
         for layer, h in enumerate(hidden):  # h: [b, width, H]
-            hidden_flat[layer].index_copy_(0, dst_t, h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16))
+            states = h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16)  # [n_real, H]
+            if scale_flat is None:
+                hidden_flat[layer].index_copy_(0, dst_t, states)
+            else:  # quantised here, on the device, before the copy to the host: half the bytes to move
+                # (from the bf16-rounded states, so `dflash cache convert` of a bf16 cache gives the same bytes)
+                q, scale = fp8.quantize(states, scale_block)
+                hidden_flat[layer].index_copy_(0, dst_t, q)
+                scale_flat[layer].index_copy_(0, dst_t, scale)
         greedy = target.greedy(last.reshape(-1, last.shape[-1]).index_select(0, src_t))
         target_flat.index_copy_(0, dst_t, greedy.to(torch.int32))
         if device.type == "cuda":

@@ -2,8 +2,9 @@
 the device trains on the current one; on GPU the host->device copy runs on a side stream into a
 staging buffer, and one device-to-device copy moves it into the step's persistent input buffers.
 
-Only the layers the drafter uses are read (one zarr chunk per layer per shard). The time the step
-waits for its input is measured.
+Only the layers the drafter uses are read (one zarr chunk per layer per shard). States travel as they
+are stored: bf16, or fp8 bytes and their scales (half the bytes), dequantised inside the step. The time
+the step waits for its input is measured.
 """
 
 from __future__ import annotations
@@ -16,35 +17,41 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash import fp8
 from dflash.cache import Cache, CorruptShardError
 
-FIELDS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens")
+FIELDS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens", "hidden_scale")
+SHARD_FIELDS = ("input_ids", "loss_mask", "target_ids", "doc_lens")  # one chunk per shard
 
 
 @dataclass
 class Inputs:
     """The tensors one step reads: fixed shapes, fixed addresses (the compiled graph's static inputs)."""
 
-    hidden: torch.Tensor  # [L, T, H] bf16: layer-major, as the cache's chunks are (one read per chunk)
+    hidden: torch.Tensor  # [L, T, H] bf16 or float8_e4m3fn: layer-major, as the cache's chunks are (one read per chunk)
     input_ids: torch.Tensor  # [T] int32 (as cached; the step widens it)
     loss_mask: torch.Tensor  # [T] uint8
     target_ids: torch.Tensor  # [T] int32
     doc_lens: torch.Tensor  # [D] int32
+    hidden_scale: torch.Tensor | None = None  # fp8 storage: [L, T, G] bf16
 
     @staticmethod
-    def empty(T: int, L: int, H: int, D: int, device, pin: bool = False) -> "Inputs":
+    def empty(T: int, L: int, H: int, D: int, device, pin: bool = False, scale_block: int | None = None) -> "Inputs":
+        """Buffers for bf16 states, or (scale_block given) for fp8 states and their scales."""
         def make(shape, dtype):
-            t = torch.zeros(shape, dtype=dtype, device=device)
-            return t.pin_memory() if pin else t
-        return Inputs(make((L, T, H), torch.bfloat16), make(T, torch.int32), make(T, torch.uint8),
-                      make(T, torch.int32), make(D, torch.int32))
+            t = torch.zeros(shape, dtype=torch.uint8 if dtype == torch.float8_e4m3fn else dtype, device=device)
+            return (t.pin_memory() if pin else t).view(dtype)  # (fp8 as bytes: zero-filled on any build)
+        fp8_storage = scale_block is not None
+        return Inputs(make((L, T, H), torch.float8_e4m3fn if fp8_storage else torch.bfloat16), make(T, torch.int32),
+                      make(T, torch.uint8), make(T, torch.int32), make(D, torch.int32),
+                      make((L, T, fp8.num_groups(H, scale_block)), fp8.SCALE_DTYPE) if fp8_storage else None)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f: getattr(self, f) for f in FIELDS}
+        return {f: getattr(self, f) for f in FIELDS if getattr(self, f) is not None}
 
     def copy_(self, other: "Inputs", non_blocking: bool = False) -> None:
-        for f in FIELDS:
-            getattr(self, f).copy_(getattr(other, f), non_blocking=non_blocking)
+        for f, t in self.tensors().items():
+            t.copy_(getattr(other, f), non_blocking=non_blocking)
 
 
 def epoch_order(shards: list[int], seed: int, epoch: int) -> list[int]:
@@ -66,15 +73,16 @@ class ShardLoader:
         self.cache, self.device, self.follow, self.on_corrupt, self.log = cache, device, follow, on_corrupt, log
         self.poll_s = poll_s
         self.cuda = device.type == "cuda"
-        self.inputs = Inputs.empty(T, L, H, D, device)  # the step's static inputs
+        block = cache.scale_block
+        self.inputs = Inputs.empty(T, L, H, D, device, scale_block=block)  # the step's static inputs
         if self.cuda:
             for t in self.inputs.tensors().values():
                 torch._dynamo.mark_static_address(t)
-            self.staging = Inputs.empty(T, L, H, D, device)
+            self.staging = Inputs.empty(T, L, H, D, device, scale_block=block)
             self.stream = torch.cuda.Stream(device)
         self.free: queue.Queue = queue.Queue()  # (host buffer, CUDA event its last H2D copy recorded)
         for _ in range(prefetch):
-            self.free.put((Inputs.empty(T, L, H, D, "cpu", pin=self.cuda), None))
+            self.free.put((Inputs.empty(T, L, H, D, "cpu", pin=self.cuda, scale_block=block), None))
         self.full: queue.Queue = queue.Queue(maxsize=prefetch)
         self.wait_s = 0.0  # time the training loop waited for input
         self.skipped: list[int] = []
@@ -116,8 +124,8 @@ class ShardLoader:
         if copied is not None:
             copied.synchronize()  # reader-thread sync: the last H2D copy out of this buffer is done
         try:  # straight from the chunk files into (pinned) memory, checked against the commit record
-            self.cache.read_shard_into(s, buf.hidden.view(torch.int16).numpy().view(np.uint16),
-                                       {f: getattr(buf, f).numpy() for f in FIELDS[1:]})
+            self.cache.read_shard_into(s, fp8.to_bits(buf.hidden), {f: getattr(buf, f).numpy() for f in SHARD_FIELDS},
+                                       hidden_scale=None if buf.hidden_scale is None else fp8.to_bits(buf.hidden_scale))
         except CorruptShardError as e:
             self.free.put((buf, None))
             if self.on_corrupt == "fail":

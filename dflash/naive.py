@@ -1,5 +1,6 @@
 """The plain reference of the DFlash objective: one anchor at a time, dense attention over exactly the
-keys that anchor may see, full logits, fp32. Slow and obviously right; `dflash.objective` must match it."""
+keys that anchor may see, full logits, fp32. Slow and obviously right; `dflash.objective` must match it.
+Also the fp8 storage done one block at a time, which `dflash.fp8` must match."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def naive_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_len
             correct[k - 1] += int(logits[k].argmax() == label)
             count[k - 1] += 1
     return total / weight_sum.clamp(min=1e-6), correct, count
+
+
+def fp8_round_trip(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 storage of `dflash.fp8`, one row and one block at a time: (x as stored and read back
+    [N, H] fp32, scales [N, G] fp32) for states x [N, H]."""
+    N, H = x.shape
+    G = -(-H // block)
+    out, scales = torch.zeros(N, H), torch.zeros(N, G)
+    for n in range(N):
+        for g in range(G):
+            part = x[n, g * block : (g + 1) * block].float()
+            s = (part.abs().max() / 448.0).to(torch.bfloat16).float()  # the scale as stored
+            if s == 0:
+                continue  # an all-zero block reads back as zeros
+            q = (part / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+            out[n, g * block : (g + 1) * block] = q * s
+            scales[n, g] = s
+    return out, scales

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import checkpoint
+from dflash import checkpoint, fp8
 from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.config import TrainConfig
 from dflash.dist import Dist, close_dist, init_dist
@@ -145,13 +145,19 @@ def rank_schedule(train: list[int], cfg: TrainConfig, d: Dist, start: int, total
 class LossModule(torch.nn.Module):
     """The drafter with its loss as forward: what torch.compile and DDP wrap."""
 
-    def __init__(self, drafter: Drafter, cfg: TrainConfig, attention: str, autocast: bool):
+    def __init__(self, drafter: Drafter, cfg: TrainConfig, attention: str, autocast: bool,
+                 scale_block: int | None = None):
         super().__init__()
         self.drafter, self.cfg, self.attention, self.autocast = drafter, cfg, attention, autocast
         self.gamma = cfg.resolved_gamma()
+        self.scale_block = scale_block  # fp8 cache: channels per scale
 
-    def forward(self, hidden, input_ids, loss_mask, target_ids, doc_lens):
-        """hidden [L, T, H] (the loader's layer-major layout); the rest as `drafter_loss` takes them."""
+    def forward(self, hidden, input_ids, loss_mask, target_ids, doc_lens, hidden_scale=None):
+        """hidden [L, T, H] (the loader's layer-major layout: bf16, or e4m3 with hidden_scale [L, T, G]);
+        the rest as `drafter_loss` takes them."""
+        if hidden_scale is not None:  # inside the compiled step: fuses into the copy that feeds fc
+            hidden = fp8.dequantize(hidden, hidden_scale, self.scale_block,
+                                    torch.bfloat16 if self.autocast else self.drafter.fc.weight.dtype)
         with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
             out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask,
                                target_ids.long(), doc_lens,
@@ -233,7 +239,7 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     if d.is_main:
         truncate_metrics(run / "metrics.jsonl", start)
 
-    module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda)
+    module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step

@@ -82,8 +82,9 @@ def run_in_process(args: list[str]):
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every shard array of a cache (with fp8 storage, `hidden_scale` too)."""
     group = zarr.open_group(path, mode="r")
-    return {name: group[name][:] for name in CACHE_ARRAYS}
+    return {name: group[name][:] for name in (*CACHE_ARRAYS, "hidden_scale") if name in group}
 
 
 def committed(path: Path) -> list[int]:

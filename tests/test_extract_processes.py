@@ -30,6 +30,16 @@ def reference(tmp_path_factory, crash_data):
     return out
 
 
+@pytest.fixture(scope="module")
+def fp8_reference(tmp_path_factory, reference):
+    """The uninterrupted fp8 cache of the same rows: the conversion of the bf16 one, which holds the bytes
+    `extract --storage fp8` writes (tests/test_fp8.py)."""
+    out = tmp_path_factory.mktemp("ref8") / "c"
+    result = run_cli(["cache", "convert", str(reference), "--storage", "fp8", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 def _kill_when(proc, condition, timeout=120.0, extra_delay=0.0):
     """SIGKILL `proc` once `condition()` holds (plus a delay); False if it finished first."""
     t0 = time.monotonic()
@@ -47,11 +57,14 @@ def _kill_when(proc, condition, timeout=120.0, extra_delay=0.0):
     raise TimeoutError
 
 
-def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, crash_data, reference):
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, crash_data, reference, fp8_reference,
+                                                                  storage):
     """Kill during planning/creation, right after a commit (mid-write of the next window), and at random
     moments; every restart resumes; the finished cache equals an uninterrupted run bit for bit."""
     out = tmp_path / "c"
-    args = extract_args(crash_data, out)
+    args = extract_args(crash_data, out, storage=storage)
+    reference = fp8_reference if storage == "fp8" else reference
     rng = np.random.default_rng(0)
     total = read_manifest(reference)["num_shards"]
     kills = 0
@@ -73,6 +86,24 @@ def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, cras
     for name in want:
         assert np.array_equal(got[name], want[name]), name
     assert read_manifest(out)["cache_key"] == read_manifest(reference)["cache_key"]
+    assert run_cli(["cache", "verify", str(out)]).returncode == 0
+
+
+def test_sigkill_during_convert_then_resume_gives_identical_arrays(tmp_path, reference, fp8_reference):
+    out = tmp_path / "c"
+    args = ["cache", "convert", str(reference), "--storage", "fp8", "--out", str(out)]
+    total = read_manifest(reference)["num_shards"]
+    kills = 0
+    for condition in (lambda: (out / "zarr.json").exists(), lambda: len(committed(out)) >= 1,
+                      lambda: len(committed(out)) >= total // 2):
+        if _kill_when(start_cli(args), condition, extra_delay=0.01):
+            kills += 1
+    assert kills >= 2, "the conversion finished before it could be killed: make the test data larger"
+    assert run_cli(args).returncode == 0
+    got, want = read_arrays(out), read_arrays(fp8_reference)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert read_manifest(out)["cache_key"] == read_manifest(fp8_reference)["cache_key"]
     assert run_cli(["cache", "verify", str(out)]).returncode == 0
 
 

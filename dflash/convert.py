@@ -1,0 +1,97 @@
+"""`dflash cache convert`: rewrite a bf16 cache with fp8 storage, without the target.
+
+The new cache has the source's plan, tokens, predictions, weights and target config; only `hidden` is
+re-encoded (e4m3 + scales, as `dflash extract --storage fp8` writes it from the same bf16 states), so
+its key differs from the source's by the storage fields alone. Every source shard is checked against
+its commit record as it is read; the source is opened read-only. Shards are committed one by one, so a
+killed conversion resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+from tqdm.auto import tqdm
+
+import dflash
+from dflash import cache as cachelib
+from dflash import fp8
+from dflash.config import check_storage
+from dflash.errors import DflashError
+from dflash.target import resolve_device
+
+
+def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = 128, device: str = "auto",
+            write_threads: int = 4, log=print) -> dict:
+    """Convert the committed shards of `src` into the cache at `out` (created, or resumed); returns a summary."""
+    check_storage(storage, scale_block)
+    if storage != "fp8":
+        raise DflashError(f"--storage {storage}: only fp8 is a conversion target")
+    src_cache = cachelib.Cache(src)
+    if src_cache.fp8:
+        raise DflashError(f"{src}: already an fp8 cache (storage {src_cache.manifest['storage_dtype']})")
+    out = Path(out)
+    if out.exists() and out.resolve() == src_cache.path.resolve():
+        raise DflashError(f"--out {out}: is the source cache; convert writes a new one")
+    cachelib.check_writable(out)
+    manifest = converted_manifest(src_cache, storage, scale_block)
+    existing = cachelib.read_manifest(out)
+    if existing is None:
+        _create(out, src_cache, manifest)
+        log(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest['cache_key']})")
+    else:
+        cachelib.check_same_key(out, existing, manifest)
+    dst = cachelib.Cache(out, mode="r+")
+    done = set(dst.committed())
+    src_committed = src_cache.committed()
+    todo = [s for s in src_committed if s not in done]
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(write_threads, thread_name_prefix="dflash-convert") as pool:
+        for s in tqdm(todo, desc=f"convert {out.name}", unit="shard", dynamic_ncols=True):
+            _convert_shard(src_cache, dst, s, dev, pool)
+    seconds = time.perf_counter() - t0
+    missing = src_cache.num_shards - len(src_committed)
+    log(f"{out}: converted {len(todo)} shards in {seconds:.1f}s; {len(dst.committed())}/{dst.num_shards} committed"
+        + (f" ({missing} shards of {src} are not committed yet: run convert again once they are)" if missing else ""))
+    return {"shards_converted": len(todo), "seconds": seconds, "complete": len(dst.committed()) == dst.num_shards}
+
+
+def converted_manifest(src: cachelib.Cache, storage: str, scale_block: int) -> dict:
+    """The source's manifest with the new storage, hence a new key."""
+    m = {k: v for k, v in src.manifest.items() if k not in ("cache_key", "weights_sha256", "scale_block")}
+    m.update(cachelib.storage_fields(storage, scale_block, m["hidden_size"]))
+    m["cache_key"] = cachelib.cache_key(m)
+    m["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    m["dflash_version"] = dflash.__version__
+    m["converted_from"] = {"path": str(src.path.resolve()), "cache_key": src.manifest["cache_key"]}
+    return m
+
+
+def _create(out: Path, src: cachelib.Cache, manifest: dict) -> None:
+    from safetensors.torch import load_file
+
+    row_ids, doc_lens = src.plan()
+    g = src.group
+    codecs = src.arrays["hidden"].metadata.codecs
+    compressor = "zstd" if any(type(c).__name__ == "ZstdCodec" for c in codecs) else "none"
+    cachelib.create_cache(out, manifest, SimpleNamespace(row_ids=row_ids, doc_lens=doc_lens),
+                          g["dropped_row_ids"][:], g["dropped_reasons"][:], g["truncated_row_ids"][:],
+                          weights=load_file(str(src.path / cachelib.WEIGHTS_FILE)),
+                          target_config=json.loads((src.path / cachelib.TARGET_CONFIG_FILE).read_text()),
+                          compressor=compressor)
+
+
+def _convert_shard(src: cachelib.Cache, dst: cachelib.Cache, s: int, device, pool) -> None:
+    shard = src.read_shard(s, verify=True)  # a corrupt source shard stops the conversion, named
+    buffers = dst.layer_buffers()  # [L, T, H] e4m3 bits, [L, T, G] scale bits
+    for layer in range(shard.hidden.shape[1]):  # one layer at a time: bounded memory on any device
+        q, scale = fp8.quantize(fp8.bf16_from_bits(shard.hidden[:, layer]).to(device), dst.scale_block)
+        buffers["hidden"][layer], buffers["hidden_scale"][layer] = q.cpu().numpy(), fp8.to_bits(scale.cpu())
+    dst.write_shard(s, buffers["hidden"], shard.input_ids, shard.loss_mask, shard.target_ids, pool,
+                    hidden_scale=buffers["hidden_scale"])
