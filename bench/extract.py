@@ -33,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dflash import fp8  # noqa: E402
 from dflash.cache import Cache, info  # noqa: E402
 from dflash.config import ExtractConfig  # noqa: E402
 from dflash.data import Tokenizer, read_rows  # noqa: E402
@@ -320,7 +321,7 @@ def part_gdn(args, res, work):
 
 
 def bf16_states(cache: Cache, shard: int) -> torch.Tensor:
-    return torch.from_numpy(cache.read_shard(shard).hidden.view(np.int16)).view(torch.bfloat16).float()
+    return fp8.bf16_from_bits(cache.read_shard(shard).hidden).float()
 
 
 def active_flops_per_token(config, width: int) -> float:

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash import cache as cachelib  # noqa: E402
+from dflash import fp8  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.packing import plan_shards  # noqa: E402
 from dflash.train import train  # noqa: E402
@@ -75,7 +76,7 @@ def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarra
     cache = cachelib.Cache(path, mode="r+")
     rng = np.random.default_rng(0)
     for s in range(plan.num_shards):
-        hidden = torch.randn(L, T, H, generator=g, device=device).bfloat16().cpu().view(torch.int16).numpy().view(np.uint16)
+        hidden = fp8.to_bits(torch.randn(L, T, H, generator=g, device=device).bfloat16().cpu())
         ids = rng.integers(1, V, T, dtype=np.int32)
         mask = np.zeros(T, np.uint8)
         o = 0

@@ -24,8 +24,8 @@ def demo(out, steps, prompts, device):
     from dflash.cache import info
     from dflash.config import ExtractConfig, TrainConfig, build_config
     from dflash.errors import DflashError
+    from dflash.drafter_io import export
     from dflash.evaluate import evaluate
-    from dflash.export import export
     from dflash.extract import extract
     from dflash.spec import run_spec
     from dflash.train import train

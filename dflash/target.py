@@ -24,7 +24,7 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash"
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN.md's default (the reference's `build_target_layer_ids`, Python rounding):
+    """The reference's default (its `build_target_layer_ids`, Python rounding):
     round(1 + k(N-4)/(n-1)) for k = 0..n-1, and [N//2] for n = 1."""
     n, N = num_draft_layers, num_target_layers
     if n == 1:
@@ -238,9 +238,6 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
         placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
         log(f"--device-map {device_map if len(device_map) < 40 else '(map)'}: the target's layers on {', '.join(placed)}")
     return model, tokenizer
-
-
-EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "batched_mm", "eager")
 
 
 def choose_experts(model, requested: str, log) -> str | None:

@@ -13,6 +13,8 @@ import pytest
 import torch
 import zarr
 
+from dflash import fp8
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = REPO / "data" / "tiny-target"
 _TINY_CONFIG = json.loads((TINY_TARGET / "config.json").read_text())
@@ -92,7 +94,7 @@ def committed(path: Path) -> list[int]:
 
 
 def bf16_bits_to_float(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
+    return fp8.bf16_from_bits(a).float()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

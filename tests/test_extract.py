@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_HIDDEN, TINY_TARGET, TINY_VOCAB, bf16_bits_to_float, committed, extract_args, read_arrays,
                       rel_err, run_in_process, sample_rows, write_jsonl)
+from dflash import fp8
 from dflash.cache import Cache, CorruptShardError, info, read_manifest, verify
 from dflash.data import DROP_REASONS
 
@@ -281,7 +282,7 @@ def test_the_data_readme_reader_snippet_runs(cache_dir):
     exec(snippet.replace("CACHE", str(cache_dir)).replace("index(17)", "index(2)"), scope)
     assert scope["h"].shape == (512, TINY_HIDDEN) and scope["h"].dtype == torch.bfloat16
     expected = Cache(cache_dir, layers=[2]).read_shard(0).hidden[:, 0]
-    assert np.array_equal(scope["h"].view(torch.int16).numpy().view(np.uint16), expected)
+    assert np.array_equal(fp8.to_bits(scope["h"]), expected)
 
 
 def test_zstd_cache_holds_the_same_values_and_verifies(cache_dir, small_data, tmp_path):
