@@ -31,8 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash import cache as cachelib  # noqa: E402
-from dflash import fp8  # noqa: E402
+from dflash import cache as cachelib, fp8  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.packing import plan_shards  # noqa: E402
 from dflash.train import train  # noqa: E402
@@ -210,7 +209,8 @@ def main():
         if "error" in r:
             print(f"| {k} | error: {r['error'][:200]} |")
             continue
-        print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['first_step_s']:.1f} | "
+        print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+              f"{r['first_step_s']:.1f} | "
               f"{r['recompiles']} | {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} | {r['input_wait']:.1%} | "
               f"{r['useful_draft_tokens_per_s']:,.0f} |")
 

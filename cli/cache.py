@@ -45,8 +45,10 @@ def info(path, as_json):
         f"shards       {i['shards']['committed']}/{i['shards']['total']} committed"
         + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}",
         f"rows         {i['rows']['total']} read, {i['rows']['planned']} planned, "
-        f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; dropped: {dropped}",
-        f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), {i['tokens']['committed']:,} committed",
+        f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; "
+        f"dropped: {dropped}",
+        f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), "
+        f"{i['tokens']['committed']:,} committed",
         f"fill ratio   {i['fill_ratio']:.1%}",
         f"on disk      {_size(i['bytes_on_disk'])}"
         + (f"  ({_size(i['bytes_per_token'])} per token; {_size(i['shard_bytes_per_token'])} without the "

@@ -297,7 +297,8 @@ class Cache:
                 for slot, block in enumerate(layered[name])]
         jobs += [(name, (shard, 0), values) for name, values in
                  (("input_ids", input_ids), ("loss_mask", loss_mask), ("target_ids", target_ids))]
-        sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else [self._write_chunk(*j) for j in jobs]
+        sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else \
+            [self._write_chunk(*j) for j in jobs]
         crcs, i = {}, 0
         for name in self.layer_arrays:
             crcs[name], i = sums[i : i + len(hidden)], i + len(hidden)

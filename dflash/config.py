@@ -118,7 +118,8 @@ class ExtractConfig(_Checked):
         if not 2 <= self.resolved_max_len() <= self.token_budget:
             raise DflashError(f"--max-len must be in [2, token budget {self.token_budget}], got {self.max_len}")
         if self.batch_tokens < self.resolved_max_len():
-            raise DflashError(f"--batch-tokens {self.batch_tokens} is below the longest document ({self.resolved_max_len()})")
+            raise DflashError(f"--batch-tokens {self.batch_tokens} is below the longest document "
+                              f"({self.resolved_max_len()})")
         check_storage(self.storage, self.scale_block)
         _check_device_map(self.device_map)
 
@@ -347,7 +348,8 @@ def check_value(name: str, value, hint, where: str = ""):
         if origin is Literal:
             if value in args:
                 return value
-            raise DflashError(f"{where}{name if where else option(name)} must be one of {', '.join(args)}, got {value!r}")
+            what = name if where else option(name)
+            raise DflashError(f"{where}{what} must be one of {', '.join(args)}, got {value!r}")
         if origin is list and isinstance(value, list) and all(_is(v, args[0]) for v in value):
             return value
         if origin is float and _is(value, int):

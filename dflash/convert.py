@@ -19,8 +19,7 @@ from types import SimpleNamespace
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import cache as cachelib
-from dflash import fp8
+from dflash import cache as cachelib, fp8
 from dflash.config import check_storage
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error

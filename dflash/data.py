@@ -139,8 +139,8 @@ class Tokenizer:
             if "messages" in row.record:
                 text, row_spans = self._render(row)
             elif "completion" in row.record:  # loss on the completion only
-                prompt = row.record["prompt"]
-                text, row_spans = prompt + row.record["completion"], [(len(prompt), len(prompt) + len(row.record["completion"]))]
+                prompt, completion = row.record["prompt"], row.record["completion"]
+                text, row_spans = prompt + completion, [(len(prompt), len(prompt) + len(completion))]
             else:
                 text, row_spans = row.record["text"], None  # None: every token is trained on
             texts.append(text)

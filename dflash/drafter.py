@@ -67,7 +67,7 @@ class DrafterConfig:
                    num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                    rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   rope_theta=(hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta", 1e6),
+                   rope_theta=(hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta") or 1e6,
                    block_size=hf["block_size"], target_layer_ids=list(dflash["target_layer_ids"]),
                    mask_token_id=int(dflash["mask_token_id"]), vocab_size=hf["vocab_size"],
                    max_position_embeddings=hf.get("max_position_embeddings", 40960))

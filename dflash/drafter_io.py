@@ -126,4 +126,4 @@ Serve with SGLang:
 Serve with vLLM:
 
     vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {spec}}}'
-"""
+"""  # noqa: E501 (the command as a user pastes it)

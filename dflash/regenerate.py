@@ -42,13 +42,15 @@ def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | 
 
 
 def _settings(cfg: RegenerateConfig, target_path) -> dict:
-    from dflash.target import config_hash, weights_fingerprint
     from transformers import AutoConfig
 
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}  # batch_size
-    # stays: it sets the chunks, and each chunk's sampling seed
+    from dflash.target import config_hash, weights_fingerprint
+
+    # batch_size stays: it sets the chunks, and each chunk's sampling seed
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}
     return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
-            "target_weights": weights_fingerprint(target_path), "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
+            "target_weights": weights_fingerprint(target_path),
+            "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
 
 
 def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
@@ -97,7 +99,7 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
         log(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
     tokens, written = 0, done
-    with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"):
+    with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(meta, settings)
         with out.open("a", encoding="utf-8") as f:
@@ -113,7 +115,6 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
                 os.fsync(f.fileno())
                 written = start + len(part)
                 bar.update(len(part))
-    bar.close()
     log(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
     return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens}
 

@@ -46,7 +46,8 @@ class RewindableCache:
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
         self._inputs: dict[int, tuple] = {}
         self._saved: dict[int, dict] = {}
-        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True) for i, m in self.mixers.items()]
+        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True)
+                       for i, m in self.mixers.items()]
 
     def _keep_inputs(self, i: int):
         def hook(module, args, kwargs):

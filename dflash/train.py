@@ -33,7 +33,6 @@ from dflash.metrics import Metrics, StepResult
 from dflash.objective import drafter_loss
 from dflash.target import resolve_device
 
-
 # -- setup --------------------------------------------------------------------------------------------
 
 
@@ -87,7 +86,8 @@ def split_shards(cfg: TrainConfig, num_shards: int) -> tuple[list[int], list[int
     return [s for s in range(num_shards) if s not in set(holdout)], holdout
 
 
-def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int], holdout: list[int]) -> dict:
+def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int],
+               holdout: list[int]) -> dict:
     return {"dflash_version": dflash.__version__, "train": asdict(cfg), "drafter": dcfg.to_dict(),
             "train_shards": train_shards,
             "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest["cache_key"],

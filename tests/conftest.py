@@ -53,7 +53,8 @@ def small_data(tmp_path_factory) -> Path:
 def extract_args(data: Path, out: Path, **options) -> list[str]:
     """CLI arguments for a small, fast extraction on the tiny target."""
     opts = {"target": str(TINY_TARGET), "token-budget": 512, "max-docs": 8, "draft-layers": 3, "window": 2,
-            "batch-size": 8, "batch-tokens": 2048, "device": "cpu", **{k.replace("_", "-"): v for k, v in options.items()}}
+            "batch-size": 8, "batch-tokens": 2048, "device": "cpu",
+            **{k.replace("_", "-"): v for k, v in options.items()}}
     args = ["extract", "--data", str(data), "--out", str(out)]
     for k, v in opts.items():
         args += [f"--{k}", str(v)]

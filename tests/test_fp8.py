@@ -273,9 +273,9 @@ def test_the_step_on_fp8_inputs_matches_the_step_on_bf16_states(caches):
     """The same shard through the training step: from the fp8 cache (dequantised in the step) and from the
     bf16 cache: loss and gradients agree to fp8's precision."""
     from dflash.config import TrainConfig
+    from dflash.drafter import Drafter
     from dflash.loader import ShardLoader
     from dflash.train import LossModule, drafter_config
-    from dflash.drafter import Drafter
 
     bf16, f8 = caches
     results = {}
