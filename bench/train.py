@@ -1,4 +1,4 @@
-"""Stage-two benchmark on one GPU (issue 3; results go to bench/RESULTS.md).
+"""Stage-two benchmark on one GPU (results go to bench/RESULTS.md).
 
 The Qwen3-8B drafter shape (5 layers, hidden 4096, GQA 32/8, head 128, MLP 12288, vocab 151936, B 16)
 trained through the real loader and `dflash.train.train` on synthetic caches written with the real
@@ -8,7 +8,7 @@ cache code:
   c. chat-like rows (lognormal length, median 700, sigma 0.8, clipped to [64, 3072], the first 15-35 %
      an unsupervised prompt) packed into T = 12288 shards, 2048 anchors: useful draft tokens/s.
 Each compiled (reduce-overhead) for `--steps` steps, plus a few eager steps of a and b for the ratio.
-Step time, context tokens/s, MFU (FLOPs counted as the issue prescribes, with the real visible-key
+Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key
 count), first-step time, recompiles, peak memory, input wait.
 
     python bench/train.py --out $OUT --work /tmp/bench-train
