@@ -4,6 +4,7 @@ the training step, eval and export reading fp8."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -171,6 +172,32 @@ def test_convert_gives_the_fp8_extraction_and_leaves_the_source_alone(caches, tm
     assert verify(out) == []
     again = run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)])
     assert again.exit_code == 0 and "converted 0 shards" in again.output
+
+
+def test_a_full_disk_during_convert_is_one_line_and_the_same_command_resumes(caches, tmp_path, monkeypatch):
+    bf16, f8 = caches
+    out = tmp_path / "conv"
+    real, calls = Cache._write_chunk, []
+
+    def write_chunk(self, name, coords, block):
+        calls.append(name)
+        if len(calls) >= 20:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / name))
+        return real(self, name, coords, block)
+
+    monkeypatch.setattr(Cache, "_write_chunk", write_chunk)
+    result = run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)])
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    done, total = len(list((out / "commits").glob("*.json"))), read_manifest(out)["num_shards"]
+    assert len(errors) == 1 and 0 < done < total
+    assert errors[0].startswith(f"error: {out}: no space left on the device (writing {out}/")
+    assert errors[0].endswith(f"{done} of {total} shards are committed and intact; free some space and run the "
+                              f"same command again: it resumes")
+    monkeypatch.setattr(Cache, "_write_chunk", real)
+    assert run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)]).exit_code == 0
+    got, want = read_arrays(out), read_arrays(f8)
+    assert all(np.array_equal(got[name], want[name]) for name in want)
 
 
 @pytest.mark.parametrize("case,message", [
