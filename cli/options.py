@@ -46,6 +46,13 @@ def config_options(cls: type, section: str):
     return decorate
 
 
+def field_option(cls: type, name: str):
+    """One field of `cls` as an option of a command that takes no preset: the field's default is the option's."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    kwargs = _option_kwargs(f, type_hints(cls)[name], field_docs(cls).get(name, ""))
+    return click.option(option(name), **{**kwargs, "default": f.default})
+
+
 def _option_kwargs(f: dataclasses.Field, hint, doc: str) -> dict:
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
     kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint  # X | None -> X

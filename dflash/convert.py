@@ -20,14 +20,14 @@ from tqdm.auto import tqdm
 
 import dflash
 from dflash import cache as cachelib, fp8
-from dflash.config import check_storage
+from dflash.config import ExtractConfig, check_storage
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error
 from dflash.target import resolve_device
 
 
-def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = 128, device: str = "auto",
-            write_threads: int = 4, log=print) -> dict:
+def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = ExtractConfig.scale_block,
+            device: str = "auto", write_threads: int = ExtractConfig.write_threads, log=print) -> dict:
     """Convert the committed shards of `src` into the cache at `out` (created, or resumed); returns a summary."""
     with disk_full_is_an_error(out, lambda: cachelib.committed_note(Path(out))):
         return _convert(src, Path(out), storage, scale_block, device, write_threads, log)

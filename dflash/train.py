@@ -4,6 +4,10 @@ One step = one shard: T context tokens, A anchors, blocks of B. On GPU the loss 
 once with torch.compile(mode="reduce-overhead", dynamic=False) and its backward follows as CUDA
 graphs; every input is a persistent device buffer that the loader refills, so nothing recompiles
 after the first step (counted, logged). On CPU the same step runs eagerly (attention through SDPA).
+
+    train = build (cache, drafter shape, preflight checks, run folder, drafter, optimizer, the step wrapped
+            in DDP and compiled, once) -> resume (the latest checkpoint, else --init-from) -> loop (the
+            steps of this rank's shard schedule; `Metrics` logs them; checkpoints; evaluations)
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ class LossModule(torch.nn.Module):
 
 
 def train(cfg: TrainConfig, log=print) -> dict:
+    """Train (or resume, or find finished) the run `cfg` describes; returns a summary of this call."""
     device = resolve_device(cfg.device)
     d = init_dist("nccl" if device.type == "cuda" else "gloo")
     log = log if d.is_main else (lambda *a, **k: None)
