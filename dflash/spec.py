@@ -31,7 +31,7 @@ def _argmax_head(target: Target, h: torch.Tensor) -> torch.Tensor:
 
 class RewindableCache:
     """The target's cache while decoding speculatively: after each verification it keeps only the accepted
-    tokens. Attention layers crop their keys and values (sliding-window ones record what a crop needs).
+    tokens. Attention layers crop their keys and values.
     Linear-attention (GatedDeltaNet) layers cannot be cropped: their recurrent state is put back as it was
     before the block, and their mixer replays the accepted tokens from the inputs it got in the
     verification (a pre-hook keeps them). A token's input to a layer does not depend on the tokens after
@@ -40,9 +40,13 @@ class RewindableCache:
 
     def __init__(self, target: Target):
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         self.cache = DynamicCache(config=target.model.config)
-        self.cache.activate_past_recording()
+        for i, layer in enumerate(self.cache.layers):  # sliding-window layers keep every key (the attention
+            if type(layer) is DynamicSlidingWindowLayer:  # mask applies the window), so a crop is exact in
+                self.cache.layers[i] = DynamicLayer()  # every release (5.17's recorded window mis-sized its mask)
+        self.cache.activate_past_recording()  # linear-attention layers keep the convolution inputs a crop needs
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
         self._inputs: dict[int, tuple] = {}
         self._saved: dict[int, dict] = {}
