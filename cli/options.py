@@ -66,7 +66,7 @@ def _option_kwargs(f: dataclasses.Field, hint, doc: str) -> dict:
         if args[0] is int:
             kwargs["type"] = IntList()
         else:
-            kwargs.update(multiple=True, help=f"{doc} Repeatable.{shown}")
+            kwargs.update(multiple=True, help=f"{doc} Repeatable; replaces the preset's list.{shown}")
     elif kind is bool:
         kwargs["is_flag"] = True
     else:
