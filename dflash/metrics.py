@@ -10,6 +10,7 @@ its step, and stops the run at the next sync point, before anything is saved.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -21,20 +22,24 @@ from dflash.files import write_text_atomic
 from dflash.objective import flops_per_step
 
 # Dense bf16 tensor-core peaks (no sparsity) from the vendors' datasheets, TFLOP/s: the MFU denominator.
-# Matched in order against the device name, so the more specific names come first. Unknown GPUs log no MFU.
+# A key matches a whole word (or words) of the device name, the first match wins: "H100 PCIe" before "H100".
+# GPUs not in the table log no MFU.
 PEAK_BF16_TFLOPS = (
     ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0),
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4), ("H100", 989.4), ("H800", 989.4),
-    ("H20", 148.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
+    ("GH200", 989.4), ("H800", 989.4), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("A10", 125.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0),
     ("RTX 4090", 165.2), ("RTX 6000 Ada", 364.2),
-    ("MI325X", 1307.4), ("MI300X", 1307.4),
+    ("MI300X", 1307.4), ("MI325X", 1307.4),
 )
 
 
 def peak_tflops(device_name: str) -> float | None:
     """The bf16 peak of a GPU by its name (`torch.cuda.get_device_name`), or None if it is not in the table."""
-    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in device_name), None)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name):
+            return tflops
+    return None
 
 
 class StepResult(NamedTuple):

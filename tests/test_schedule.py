@@ -83,9 +83,11 @@ def test_flop_count(num_layers, visible, expected):
 
 @pytest.mark.parametrize("name,tflops", [
     ("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H20", 148.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10G", 70.0), ("NVIDIA L40S", 362.1), ("NVIDIA L4", 121.0),
+    ("NVIDIA H200 NVL", 835.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA A10", 125.0), ("NVIDIA L40S", 362.1), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
     ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0),
-    ("AMD Instinct MI300X", 1307.4), ("Tesla T4", None), ("NVIDIA GeForce RTX 3060", None),
+    ("AMD Instinct MI300X", 1307.4),
+    ("NVIDIA A10G", None), ("Tesla T4", None), ("NVIDIA GeForce RTX 3060", None), ("NVIDIA H100X", None),
 ])
 def test_mfu_uses_the_peak_of_the_gpu_it_runs_on(name, tflops):
     assert peak_tflops(name) == tflops
