@@ -6,8 +6,9 @@ import json
 
 import click
 
+from dflash.config import ExtractConfig
 from dflash_cli.main import user_errors
-from dflash_cli.options import IntList
+from dflash_cli.options import IntList, field_option
 
 
 @click.command(name="eval")
@@ -15,7 +16,7 @@ from dflash_cli.options import IntList
 @click.option("--cache", required=True, help="A cache of the same target.")
 @click.option("--shards", type=IntList(), help="Shards to evaluate (default: the run's held-out shards, else all).")
 @click.option("--max-shards", type=int, help="Evaluate at most N of them.")
-@click.option("--device", default="auto", show_default=True)
+@field_option(ExtractConfig, "device")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tau, per_slot, ...).")
 @user_errors
 def evaluate(drafter, cache, shards, max_shards, device, as_json):

@@ -6,7 +6,9 @@ import json
 
 import click
 
+from dflash.config import ExtractConfig
 from dflash_cli.main import user_errors
+from dflash_cli.options import field_option
 
 
 @click.command(name="spec")
@@ -15,8 +17,8 @@ from dflash_cli.main import user_errors
 @click.option("--prompts", required=True, type=click.Path(dir_okay=False), help="JSONL of messages or prompt rows.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--limit", type=int, help="Use only the first N prompts.")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32.")
+@field_option(ExtractConfig, "device")
+@field_option(ExtractConfig, "dtype")
 @click.option("--save-outputs", type=click.Path(dir_okay=False),
               help="Write the target's answers as prompt/completion JSONL (extract it for the offline tau).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tau, lossless, speedup, ...).")
