@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     log = log if d.is_main else (lambda *a, **k: None)
     try:
         with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"):
-            s = build(cfg, d, device, log)
+            s = build(cfg, d, device)
             start = resume(s, log)
             if start >= s.total:
                 log(f"{s.run}: already trained for {start} steps: nothing to do")
@@ -200,9 +200,8 @@ class Setup:
     compiled: bool
 
 
-def build(cfg: TrainConfig, d: Dist, device: torch.device, log) -> Setup:
-    """Everything the loop needs, checked before any heavy work; the run folder is created (or found to
-    hold this run) with the shard lists it keeps for its whole life."""
+def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
+    """Everything the loop needs, checked before any heavy work."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -210,42 +209,51 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device, log) -> Setup:
     cache = Cache(cfg.cache, layers=cfg.layers)
     dcfg = drafter_config(cfg, cache)
     preflight(cfg, cache, dcfg)
-    train_shards, holdout = split_shards(cfg, cache.num_shards)
-    if not cfg.follow:  # without --follow, train on what is committed now
-        done = set(cache.committed())
-        train_shards = [s for s in train_shards if s in done]
     if d.world > 1 and cfg.on_corrupt == "skip":
         raise DflashError("--on-corrupt skip runs in one process only (DDP ranks would fall out of step); "
                           "`dflash cache verify` names bad shards, and deleting their commits/ records excludes them")
-    if len(train_shards) < d.world:
-        raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
-    run = Path(cfg.out)
-    config = None
-    if d.is_main:  # a resumed run keeps the shard lists it started with, whatever was committed since
-        config = check_or_write_run_config(run, run_config(cfg, dcfg, cache, train_shards, holdout), cfg)
-    config = d.broadcast(config)
-    train_shards, holdout = config.get("train_shards", train_shards), config["holdout_shards"]
-    committed = set(cache.committed())
-
+    train_shards, holdout = run_shards(cfg, d, cache, dcfg)
     embed, head = cache.target_weights(device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
     lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
-
     module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)
+    loss_fn, compiled = wrap_step(module, cfg, d, device)
+    return Setup(cfg=cfg, d=d, device=device, run=Path(cfg.out), cache=cache, dcfg=dcfg, train_shards=train_shards,
+                 holdout=holdout, total=cfg.max_steps or cfg.epochs * (len(train_shards) // d.world),
+                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled)
+
+
+def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> tuple[list[int], list[int]]:
+    """(train, held-out) shards. A run keeps the lists it started with in RUN/config.json (written here, or
+    found to hold this run) whatever was committed since; evaluations read the held-out shards committed now."""
+    train_shards, holdout = split_shards(cfg, cache.num_shards)
+    if not cfg.follow:  # without --follow, train on what is committed now
+        done = set(cache.committed())
+        train_shards = [s for s in train_shards if s in done]
+    if len(train_shards) < d.world:
+        raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
+    config = None
+    if d.is_main:
+        config = check_or_write_run_config(Path(cfg.out), run_config(cfg, dcfg, cache, train_shards, holdout), cfg)
+    config = d.broadcast(config)
+    committed = set(cache.committed())
+    return config.get("train_shards", train_shards), [s for s in config["holdout_shards"] if s in committed]
+
+
+def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[torch.nn.Module, bool]:
+    """The step as it runs, and whether it is compiled: in DDP over several ranks, then compiled
+    (reduce-overhead: CUDA graphs) on GPU or when asked. The one place compilation is applied."""
+    cuda = device.type == "cuda"
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
                                                            broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
-    loss_fn = torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module
-    return Setup(cfg=cfg, d=d, device=device, run=run, cache=cache, dcfg=dcfg, train_shards=train_shards,
-                 holdout=[s for s in holdout if s in committed],
-                 total=cfg.max_steps or cfg.epochs * (len(train_shards) // d.world),
-                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled)
+    return (torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module), compiled
 
 
 def resume(s: Setup, log) -> int:
