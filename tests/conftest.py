@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -82,6 +83,22 @@ def run_in_process(args: list[str]):
     from dflash_cli.main import main
 
     return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def fill_disk_after(monkeypatch, n: int) -> None:
+    """From the n-th chunk a cache writes on, the write fails with ENOSPC, as on a full disk (until
+    `monkeypatch.undo()`)."""
+    from dflash.cache import Cache
+
+    real, calls = Cache._write_chunk, []
+
+    def write_chunk(self, name, coords, block):
+        calls.append(name)
+        if len(calls) >= n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / name))
+        return real(self, name, coords, block)
+
+    monkeypatch.setattr(Cache, "_write_chunk", write_chunk)
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:

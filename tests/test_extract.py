@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ from conftest import (
     bf16_bits_to_float,
     committed,
     extract_args,
+    fill_disk_after,
     read_arrays,
     rel_err,
     run_in_process,
@@ -321,15 +321,7 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(cache_dir, small_d
     """The writer thread hits ENOSPC on its 30th chunk: one line naming the cache, what is committed and that
     the same command resumes; once there is room again it does, to the cache an uninterrupted run writes."""
     out = tmp_path / "c"
-    real, calls = Cache._write_chunk, []
-
-    def write_chunk(self, name, coords, block):
-        calls.append(name)
-        if len(calls) >= 30:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / name))
-        return real(self, name, coords, block)
-
-    monkeypatch.setattr(Cache, "_write_chunk", write_chunk)
+    fill_disk_after(monkeypatch, 30)
     result = run_in_process(extract_args(small_data, out))
     assert result.exit_code == 1
     errors = [x for x in result.output.splitlines() if x.startswith("error:")]
@@ -339,7 +331,7 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(cache_dir, small_d
     assert errors[0].startswith(f"error: {out}: no space left on the device (writing {out}/")
     assert f"{done} of {read_manifest(out)['num_shards']} shards are committed and intact" in errors[0]
     assert errors[0].endswith("run the same command again: it resumes")
-    monkeypatch.setattr(Cache, "_write_chunk", real)
+    monkeypatch.undo()
     assert run_in_process(extract_args(small_data, out)).exit_code == 0
     a, b = read_arrays(cache_dir), read_arrays(out)
     assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -4,7 +4,6 @@ the training step, eval and export reading fp8."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import shutil
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY_HIDDEN, extract_args, read_arrays, rel_err, run_in_process
+from conftest import REPO, TINY_HIDDEN, extract_args, fill_disk_after, read_arrays, rel_err, run_in_process
 from dflash import fp8
 from dflash.cache import Cache, info, key_differences, read_manifest, verify
 from dflash.naive import fp8_round_trip
@@ -177,15 +176,7 @@ def test_convert_gives_the_fp8_extraction_and_leaves_the_source_alone(caches, tm
 def test_a_full_disk_during_convert_is_one_line_and_the_same_command_resumes(caches, tmp_path, monkeypatch):
     bf16, f8 = caches
     out = tmp_path / "conv"
-    real, calls = Cache._write_chunk, []
-
-    def write_chunk(self, name, coords, block):
-        calls.append(name)
-        if len(calls) >= 20:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / name))
-        return real(self, name, coords, block)
-
-    monkeypatch.setattr(Cache, "_write_chunk", write_chunk)
+    fill_disk_after(monkeypatch, 20)
     result = run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)])
     assert result.exit_code == 1
     errors = [x for x in result.output.splitlines() if x.startswith("error:")]
@@ -194,7 +185,7 @@ def test_a_full_disk_during_convert_is_one_line_and_the_same_command_resumes(cac
     assert errors[0].startswith(f"error: {out}: no space left on the device (writing {out}/")
     assert errors[0].endswith(f"{done} of {total} shards are committed and intact; free some space and run the "
                               f"same command again: it resumes")
-    monkeypatch.setattr(Cache, "_write_chunk", real)
+    monkeypatch.undo()
     assert run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)]).exit_code == 0
     got, want = read_arrays(out), read_arrays(f8)
     assert all(np.array_equal(got[name], want[name]) for name in want)
