@@ -33,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dflash import fp8  # noqa: E402
 from dflash.cache import Cache, info  # noqa: E402
 from dflash.config import ExtractConfig  # noqa: E402
 from dflash.data import Tokenizer, read_rows  # noqa: E402
@@ -243,8 +244,9 @@ def part_qwen3(args, res, work):
         if name in res:
             r = res[name]
             rows.append((f"extract -> {name}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['tokens_per_s'] / f['tokens_per_s']:.0%} of forward; GPU in forwards {r['gpu_forward_s']:.1f}s; "
-                         f"waited {r['wait_for_writer_s']:.1f}s for writer; writer busy {r['write_s']:.1f}s of {r['seconds']:.1f}s"))
+                         f"{r['tokens_per_s'] / f['tokens_per_s']:.0%} of forward; "
+                         f"GPU in forwards {r['gpu_forward_s']:.1f}s; waited {r['wait_for_writer_s']:.1f}s for writer; "
+                         f"writer busy {r['write_s']:.1f}s of {r['seconds']:.1f}s"))
     rows.append(("fill ratio / bytes per token", f"{d['fill_ratio']:.1%}", f"{d['bytes_per_token']:,.0f} B"))
     return rows
 
@@ -320,7 +322,7 @@ def part_gdn(args, res, work):
 
 
 def bf16_states(cache: Cache, shard: int) -> torch.Tensor:
-    return torch.from_numpy(cache.read_shard(shard).hidden.view(np.int16)).view(torch.bfloat16).float()
+    return fp8.bf16_from_bits(cache.read_shard(shard).hidden).float()
 
 
 def active_flops_per_token(config, width: int) -> float:
@@ -352,7 +354,8 @@ def part_moe(args, res, work):
         config = AutoConfig.from_pretrained(work / kind)
         for impl in ("grouped_mm", "eager", "batched_mm"):
             cfg = ExtractConfig(target=str(work / kind), data=[str(work / "moe.jsonl")], out=str(work / "moe-cache"),
-                                layers=[1, 3], token_budget=8192, max_docs=64, device=DEVICE, experts_implementation=impl)
+                                layers=[1, 3], token_budget=8192, max_docs=64, device=DEVICE,
+                                experts_implementation=impl)
             try:
                 r[impl] = fixed_shape_rate(cfg, 8, 2048, repeats=3 if impl != "grouped_mm" else 10)
             except torch.OutOfMemoryError as e:
@@ -390,7 +393,8 @@ def main():
     p.add_argument("--tokens", type=int, default=1_000_000)
     p.add_argument("--gdn-tokens", type=int, default=2_000_000)
     p.add_argument("--moe-tokens", type=int, default=1_000_000)
-    p.add_argument("--fla-dir", default="/tmp/fla", help="the folder fla was installed into (hidden from the torch run)")
+    p.add_argument("--fla-dir", default="/tmp/fla",
+                   help="the folder fla was installed into (hidden from the torch run)")
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script, measures nothing")
     args = p.parse_args()
     global DEVICE
@@ -407,7 +411,8 @@ def main():
     rows = []
     for part in args.parts.split(","):
         rows += {"qwen3": part_qwen3, "gdn": part_gdn, "moe": part_moe}[part](args, res, work)
-        (out / "results.json").write_text(json.dumps(res, indent=2))  # after each part: a cut run keeps what it measured
+        # after each part: a cut run keeps what it measured
+        (out / "results.json").write_text(json.dumps(res, indent=2))
     print("\n| measure | tok/s | notes |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")

@@ -356,7 +356,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+    res = {"date": time.strftime("%Y-%m-%d"),
+           "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     parts = args.parts.split(",")
     # shares of the budget (tau's trainings compile from cold; train compiles twice; extract is quick)
@@ -398,7 +399,8 @@ def summary(res: dict) -> None:
     measures = []
     if "step_ms" in tr.get("bf16", {}) and "step_ms" in tr.get("fp8", {}):
         b, f = tr["bf16"], tr["fp8"]
-        measures += [f"| train step ms, T = {tr['T']} | {b['step_ms']:.1f} | {f['step_ms']:.1f} | {tr['fp8_step_vs_bf16']:+.2%} |",
+        measures += [f"| train step ms, T = {tr['T']} | {b['step_ms']:.1f} | {f['step_ms']:.1f} | "
+                     f"{tr['fp8_step_vs_bf16']:+.2%} |",
                   f"| input wait | {b['input_wait']:.3%} | {f['input_wait']:.3%} | |",
                   f"| MFU / recompiles / peak GB | {b['mfu']:.1%} / {b['recompiles']} / {b['peak_mem_gb']:.1f} | "
                   f"{f['mfu']:.1%} / {f['recompiles']} / {f['peak_mem_gb']:.1f} | |",
@@ -408,13 +410,15 @@ def summary(res: dict) -> None:
                               ("disk incl. sync", "disk", "tokens_per_s_synced")):
         b, f = ex.get(f"{key}_bf16", {}), ex.get(f"{key}_fp8", {})
         if field in b and field in f:
-            measures.append(f"| extract -> {where}, tok/s | {b[field]:,.0f} | {f[field]:,.0f} | {f[field] / b[field] - 1:+.1%} |")
+            measures.append(f"| extract -> {where}, tok/s | {b[field]:,.0f} | {f[field]:,.0f} | "
+                            f"{f[field] / b[field] - 1:+.1%} |")
     for what, r in (("extract", ex.get("disk_fp8") and {"bf16": ex["disk_bf16"].get("state_bytes_per_token"),
                                                         "fp8": ex["disk_fp8"].get("state_bytes_per_token")}),
                     ("train", tr.get("state_bytes_per_token")), ("tau (tiny)", tau.get("state_bytes_per_token"))):
         if r and r.get("bf16") and (r.get("fp8") or r.get("fp8_block128")):
             f = r.get("fp8") or r.get("fp8_block128")
-            measures.append(f"| state bytes per token, {what} cache | {r['bf16']:,.0f} | {f:,.0f} | {f / r['bf16']:.3f}x |")
+            measures.append(f"| state bytes per token, {what} cache | {r['bf16']:,.0f} | {f:,.0f} | "
+                            f"{f / r['bf16']:.3f}x |")
     if measures:
         lines += ["", "| measure | bf16 | fp8 | fp8 vs bf16 |", "|---|---|---|---|", *measures]
     errors = {k: v for k, v in (("tiny target", tau.get("error")), ("Qwen3-8B-shaped random", ex.get("error")))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's quality figures for the tiny target (results: bench/RESULTS.md, "Drafter quality").
+# The drafter quality figures for the tiny target (results: bench/RESULTS.md, "Drafter quality").
 # CPU: ~80 min on 2 cores, most of it the main run (6000 steps at ~1.7 steps/s); on a GPU add --device cuda
 # to every command. W: a scratch folder.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 4 on one GPU in one device call: the tiny target writes ~49 K function bodies (`dflash
+"""The drafter quality figures on one GPU in one device call: the tiny target writes ~49 K function bodies (`dflash
 regenerate`), they are cached (`dflash extract`), and a B = 16 drafter trains on them for as many steps
 as the call's time budget allows (a short probe run measures the step time first, so the cosine
 schedule ends inside the budget). Then export, offline τ on the held-out shards and, if given, on a

@@ -7,7 +7,9 @@ import sys
 
 import click
 
+from dflash.config import ExtractConfig
 from dflash_cli.main import user_errors
+from dflash_cli.options import field_option
 
 
 @click.group()
@@ -45,8 +47,10 @@ def info(path, as_json):
         f"shards       {i['shards']['committed']}/{i['shards']['total']} committed"
         + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}",
         f"rows         {i['rows']['total']} read, {i['rows']['planned']} planned, "
-        f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; dropped: {dropped}",
-        f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), {i['tokens']['committed']:,} committed",
+        f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; "
+        f"dropped: {dropped}",
+        f"tokens       {i['tokens']['planned']:,} planned ({i['tokens']['loss']:,} with loss), "
+        f"{i['tokens']['committed']:,} committed",
         f"fill ratio   {i['fill_ratio']:.1%}",
         f"on disk      {_size(i['bytes_on_disk'])}"
         + (f"  ({_size(i['bytes_per_token'])} per token; {_size(i['shard_bytes_per_token'])} without the "
@@ -106,10 +110,9 @@ def ls(root):
 @click.argument("src", type=click.Path(file_okay=False))
 @click.option("--storage", type=click.Choice(["fp8"]), required=True, help="The new storage of the states.")
 @click.option("--out", required=True, help="The new cache folder; running the same command again resumes it.")
-@click.option("--scale-block", type=int, default=128, show_default=True,
-              help="Channels per fp8 scale (0: one per token and layer).")
-@click.option("--device", default="auto", show_default=True, help="Where to quantise: auto, cpu, cuda, cuda:N.")
-@click.option("--write-threads", type=int, default=4, show_default=True, help="Threads writing chunks.")
+@field_option(ExtractConfig, "scale_block")
+@field_option(ExtractConfig, "device")
+@field_option(ExtractConfig, "write_threads")
 @user_errors
 def convert(src, storage, out, scale_block, device, write_threads):
     """Rewrite the bf16 cache SRC with fp8 storage at --out (~half the disk), without the target.

@@ -23,16 +23,17 @@ def demo(out, steps, prompts, device):
     """Extract -> train -> eval -> export -> speculative decoding on the tiny embedded target."""
     from dflash.cache import info
     from dflash.config import ExtractConfig, TrainConfig, build_config
+    from dflash.drafter_io import export
     from dflash.errors import DflashError
     from dflash.evaluate import evaluate
-    from dflash.export import export
     from dflash.extract import extract
     from dflash.spec import run_spec
     from dflash.train import train
 
     preset = REPO / "configs" / "tiny.toml"
     if not preset.is_file():
-        raise DflashError(f"the demo needs a source checkout (no {preset}); run it from a clone with `pip install -e .`")
+        raise DflashError(f"the demo needs a source checkout (no {preset}); run it from a clone with "
+                          f"`pip install -e .`")
     cache_dir, run_dir = Path(out) / "cache", Path(out) / "run"
     extract(build_config(ExtractConfig, preset, "extract", {"out": str(cache_dir), "device": device}))
     i = info(cache_dir)

@@ -37,14 +37,14 @@ def main():
 
 
 def _register():
-    from dflash_cli import cache, demo, export, extract, regenerate, train
+    from dflash_cli import cache, demo, eval, export, extract, plot, regenerate, spec, train
 
     main.add_command(extract.extract)
     main.add_command(train.train)
     main.add_command(export.export)
-    main.add_command(export.evaluate)
-    main.add_command(export.plot)
-    main.add_command(export.spec)
+    main.add_command(eval.evaluate)
+    main.add_command(plot.plot)
+    main.add_command(spec.spec)
     main.add_command(regenerate.regenerate)
     main.add_command(cache.cache)
     main.add_command(demo.demo)

@@ -25,6 +25,7 @@ import zarr.codecs
 import zarr.storage
 
 from dflash.errors import DflashError
+from dflash.files import sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1  # bf16 storage
 FP8_FORMAT_VERSION = 2  # fp8 storage (+ `hidden_scale`): a format-1 reader refuses it instead of misreading it
@@ -145,13 +146,22 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
               metadata={"cache_key": manifest["cache_key"]})
     (path / TARGET_CONFIG_FILE).write_text(json.dumps(target_config, indent=2, sort_keys=True))
     (path / COMMITS).mkdir(exist_ok=True)
-    manifest = dict(manifest, weights_sha256=_file_sha256(path / WEIGHTS_FILE))
+    manifest = dict(manifest, weights_sha256=sha256_file(path / WEIGHTS_FILE))
     group.attrs[MANIFEST_ATTR] = manifest
 
 
 def num_scale_groups(manifest: dict) -> int:
     """G: scales per state row of an fp8 cache."""
     return -(-manifest["hidden_size"] // manifest["scale_block"])
+
+
+def committed_note(path: Path) -> str:
+    """What a stopped extract or convert leaves in the cache at `path` (for its error message)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return "no shard is committed yet"
+    done = len([p for p in (Path(path) / COMMITS).glob("*.json")])
+    return f"{done} of {manifest['num_shards']} shards are committed and intact"
 
 
 def check_writable(out: Path) -> None:
@@ -166,14 +176,6 @@ def check_writable(out: Path) -> None:
     foreign = {p.name for p in out.iterdir() if not p.name.startswith(".")} - CACHE_ENTRIES
     if foreign and read_manifest(out) is None:
         raise DflashError(f"--out {out}: folder is not empty and is not a dflash cache (holds {sorted(foreign)[0]!r})")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass
@@ -295,7 +297,8 @@ class Cache:
                 for slot, block in enumerate(layered[name])]
         jobs += [(name, (shard, 0), values) for name, values in
                  (("input_ids", input_ids), ("loss_mask", loss_mask), ("target_ids", target_ids))]
-        sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else [self._write_chunk(*j) for j in jobs]
+        sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else \
+            [self._write_chunk(*j) for j in jobs]
         crcs, i = {}, 0
         for name in self.layer_arrays:
             crcs[name], i = sums[i : i + len(hidden)], i + len(hidden)
@@ -304,10 +307,7 @@ class Cache:
         record = {"shard": shard, "cache_key": self.manifest["cache_key"], "docs": int((row_ids >= 0).sum()),
                   "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()),
                   "crc32c": {**crcs, "row_ids": checksum(row_ids), "doc_lens": checksum(doc_lens)}}
-        path = self._record_path(shard)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)  # atomic: the record is either whole or absent
+        write_json_atomic(self._record_path(shard), record, indent=None)  # the record is either whole or absent
 
     def _write_chunk(self, name: str, coords: tuple, block: np.ndarray) -> int:
         """Write the chunk at `coords` (one whole chunk) and return the crc32c of its bytes.
@@ -441,7 +441,7 @@ def verify(path: str | Path, progress=None) -> list[tuple[int, str]]:
     file (shard -1). Uncommitted shards are not errors: extract has not finished them."""
     cache = Cache(path)
     bad = []
-    if _file_sha256(cache.path / WEIGHTS_FILE) != cache.manifest["weights_sha256"]:
+    if sha256_file(cache.path / WEIGHTS_FILE) != cache.manifest["weights_sha256"]:
         bad.append((-1, f"{WEIGHTS_FILE}: checksum mismatch"))
     shards = cache.committed()
     for s in progress(shards) if progress else shards:

@@ -17,19 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import DflashError
+from dflash.files import write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> tuple[dict, list]:
@@ -45,12 +36,28 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> tuple[d
 
 
 def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, keep: int = 2) -> Path:
-    """Write checkpoint `step` (whole or not at all: `latest.json` moves last), keep the newest `keep`."""
+    """Write checkpoint `step` (whole or not at all: `latest.json` moves last), keep the newest `keep`.
+    A write that fails (a full disk) leaves the last good checkpoint as it was, and no partial folder."""
     root = run / CHECKPOINTS
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(tmp, model, optimizer, state, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_json_atomic(root / LATEST, {"step": step, "dir": final.name})
+    older = sorted(p for p in root.glob("step-*") if p != final)
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write(tmp: Path, model: torch.nn.Module, optimizer, state: dict, step: int) -> None:
     params = dict(model.named_parameters())
     save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "model.safetensors"))
     index_names = {i: name for i, name in enumerate(params)}
@@ -62,13 +69,6 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, k
     save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": groups,
                                                 "param_names": list(params)}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_json_atomic(root / LATEST, {"step": step, "dir": final.name})
-    older = sorted(p for p in root.glob("step-*") if p != final)
-    for old in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def latest(run: Path) -> Path | None:

@@ -1,23 +1,60 @@
-"""Run configuration: kw-only dataclasses filled from a TOML preset, then from CLI options.
+"""Run configuration: one kw-only dataclass per long-running command (`ExtractConfig`, `TrainConfig`,
+`RegenerateConfig`), the single source of each option: its type, its default and, in the docstring under
+it, its `--help` text (the CLI's options are generated from these classes: `cli/options.py`).
 
-A preset (`configs/*.toml`) has one table per stage (`[extract]`, later `[train]`); relative paths in
-it are resolved against the preset's own folder, so a preset works from any working directory.
+Constructing a config checks it: field types (a TOML integer is accepted for a float field, and becomes
+one), then `validate()`. Values come from a TOML preset (`configs/*.toml`: one table per command,
+`[extract]`, `[train]`, `[regenerate]`), then from CLI options; relative paths in a preset are resolved
+against the preset's own folder, so a preset works from any working directory.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from dflash.errors import DflashError
 
+ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
+Storage = Literal["bf16", "fp8"]
+ExpertsImplementation = Literal["auto", "grouped_mm", "batched_mm", "eager"]
+
+
+class _Checked:
+    """Base of the configs: field types are checked and `validate()` runs when one is constructed."""
+
+    def __post_init__(self) -> None:
+        hints = type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, check_value(f.name, getattr(self, f.name), hints[f.name]))
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields and of ranges (types are checked before)."""
+
+    def _at_least(self, minimum: int, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < minimum:
+                raise DflashError(f"{option(name)} must be >= {minimum}, got {value}")
+
+
+def option(name: str) -> str:
+    """The CLI option of a field: `token_budget` -> `--token-budget`."""
+    return "--" + name.replace("_", "-")
+
 
 @dataclass(kw_only=True)
-class ExtractConfig:
+class ExtractConfig(_Checked):
     """Everything `dflash extract` needs; the fields that change the cache's contents feed its key."""
 
     target: str = ""
@@ -31,7 +68,8 @@ class ExtractConfig:
     """Target layer ids to capture (id i = output of decoder layer i). None: the default ids for a
     drafter of `draft_layers` layers."""
     draft_layers: int = 5
-    """Depth of the drafter the default `layers` are chosen for (DESIGN.md's formula)."""
+    """Depth of the drafter the default `layers` are chosen for: round(1 + k(N-4)/(n-1)) for k < n over a target
+    of N layers (n = 1: [N // 2])."""
     token_budget: int = 8192
     """T: tokens per shard. Every shard has exactly T positions (pad after the last document)."""
     max_docs: int = 64
@@ -49,13 +87,13 @@ class ExtractConfig:
     """Threads writing chunks in parallel (each chunk is one file)."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    dtype: str = "auto"
+    dtype: ComputeDtype = "auto"
     """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
     limit: int | None = None
     """Use only the first N rows of the data (in file order)."""
-    compressor: str = "none"
+    compressor: Literal["none", "zstd"] = "none"
     """Chunk compression of `hidden`: `none` (fastest) or `zstd` (level 1, ~1.3x smaller)."""
-    storage: str = "bf16"
+    storage: Storage = "bf16"
     """How `hidden` is stored: `bf16`, or `fp8` (e4m3 + bf16 scales, quantised on the device at capture:
     ~half the bytes on disk, in host memory and in host-to-device copies)."""
     scale_block: int = 128
@@ -65,7 +103,7 @@ class ExtractConfig:
     device_map: str | None = None
     """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
     JSON map of module -> device (inline or a .json file). Captured states are gathered on `device`."""
-    experts_implementation: str = "auto"
+    experts_implementation: ExpertsImplementation = "auto"
     """MoE targets: `auto` (= `grouped_mm`, the fastest exact one), `grouped_mm`, `batched_mm`, `eager`."""
     trust_remote_code: bool = False
     """Allow the target's own modeling code. Off unless asked for."""
@@ -74,39 +112,20 @@ class ExtractConfig:
         return self.token_budget if self.max_len is None else self.max_len
 
     def validate(self) -> None:
-        if not self.target:
-            raise DflashError("no target: pass --target or set `target` in the preset")
-        if not self.data:
-            raise DflashError("no data: pass --data or set `data` in the preset")
-        if not self.out:
-            raise DflashError("no output folder: pass --out")
-        for name in ("token_budget", "max_docs", "batch_size", "batch_tokens", "window", "draft_layers", "write_threads"):
-            if getattr(self, name) < 1:
-                raise DflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        _require_io(self)
+        self._at_least(1, "token_budget", "max_docs", "batch_size", "batch_tokens", "window", "draft_layers",
+                       "write_threads", "limit")
         if not 2 <= self.resolved_max_len() <= self.token_budget:
             raise DflashError(f"--max-len must be in [2, token budget {self.token_budget}], got {self.max_len}")
         if self.batch_tokens < self.resolved_max_len():
-            raise DflashError(f"--batch-tokens {self.batch_tokens} is below the longest document ({self.resolved_max_len()})")
-        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise DflashError(f"--dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
-        if self.compressor not in ("none", "zstd"):
-            raise DflashError(f"--compressor must be none or zstd, got {self.compressor!r}")
+            raise DflashError(f"--batch-tokens {self.batch_tokens} is below the longest document "
+                              f"({self.resolved_max_len()})")
         check_storage(self.storage, self.scale_block)
-        if self.limit is not None and self.limit < 1:
-            raise DflashError(f"--limit must be >= 1, got {self.limit}")
-        if self.device_map:
-            from dflash.target import parse_device_map
-
-            parse_device_map(self.device_map)
-        from dflash.target import EXPERTS_IMPLEMENTATIONS
-
-        if self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
-            raise DflashError(f"--experts-implementation must be one of {', '.join(EXPERTS_IMPLEMENTATIONS)}, "
-                              f"got {self.experts_implementation!r}")
+        _check_device_map(self.device_map)
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(_Checked):
     """Everything `dflash train` needs. Drafter widths left at None are copied from the target's config."""
 
     cache: str = ""
@@ -133,7 +152,7 @@ class TrainConfig:
     """A: anchors (blocks) per shard and step."""
     gamma: float | None = None
     """Loss decay over block slots (None: 7 for B = 16, 5 for 10, 4 for 8)."""
-    labels: str = "target"
+    labels: Literal["target", "data"] = "target"
     """`target`: learn the target's own greedy predictions (what acceptance is measured against);
     `data`: the data's next tokens."""
     mask_token_id: int | None = None
@@ -170,7 +189,7 @@ class TrainConfig:
     """Held-out shards used by the evaluations during training."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    compile: str = "auto"
+    compile: Literal["auto", "yes", "no"] = "auto"
     """`auto` (on GPU), `yes`, `no`: torch.compile(mode="reduce-overhead") of the step."""
     ce_chunk: int = 1024
     """Rows of logits computed at once by the chunked cross-entropy."""
@@ -178,7 +197,7 @@ class TrainConfig:
     """Shards read ahead into pinned memory."""
     follow: bool = False
     """Train on shards as an extract still commits them into the cache."""
-    on_corrupt: str = "fail"
+    on_corrupt: Literal["fail", "skip"] = "fail"
     """A shard failing its checksums: `fail` (exit, naming it) or `skip` it."""
 
     # fields that change only how a run executes, not what it computes: free to differ on resume
@@ -195,18 +214,8 @@ class TrainConfig:
             raise DflashError("no cache: pass --cache")
         if not self.out:
             raise DflashError("no run folder: pass --out")
-        for name in ("num_layers", "block_size", "num_anchors", "epochs", "save_every", "log_every", "ce_chunk",
-                     "prefetch"):
-            if getattr(self, name) < 1:
-                raise DflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise DflashError(f"--block-size must be >= 2, got {self.block_size}")
-        if self.labels not in ("target", "data"):
-            raise DflashError(f"--labels must be target or data, got {self.labels!r}")
-        if self.compile not in ("auto", "yes", "no"):
-            raise DflashError(f"--compile must be auto, yes or no, got {self.compile!r}")
-        if self.on_corrupt not in ("fail", "skip"):
-            raise DflashError(f"--on-corrupt must be fail or skip, got {self.on_corrupt!r}")
+        self._at_least(1, "num_layers", "num_anchors", "epochs", "save_every", "log_every", "ce_chunk", "prefetch")
+        self._at_least(2, "block_size")
         if not 0 <= self.warmup < 1:
             raise DflashError(f"--warmup is a fraction of the run in [0, 1), got {self.warmup}")
 
@@ -215,9 +224,63 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUNTIME_FIELDS}
 
 
+@dataclass(kw_only=True)
+class RegenerateConfig(_Checked):
+    """Everything `dflash regenerate` needs."""
+
+    target: str = ""
+    """The Hugging Face target (folder or hub id)."""
+    data: list[str] = field(default_factory=list)
+    """Input JSONL/Parquet files."""
+    out: str = ""
+    """Output JSONL (plus OUT.meta.json, its settings); the same command resumes it."""
+    max_new_tokens: int = 512
+    """Longest generated response."""
+    temperature: float = 0.0
+    """0: greedy; otherwise sampling at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling (with temperature > 0)."""
+    prompt_tokens: int = 32
+    """Tokens of a `text` row kept as the prompt of its continuation."""
+    batch_size: int = 16
+    """Prompts generated together."""
+    seed: int = 0
+    """Sampling seed (each chunk reseeds from it, so a resumed run samples the same)."""
+    limit: int | None = None
+    """Only the first N rows."""
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
+    dtype: ComputeDtype = "auto"
+    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
+    device_map: str | None = None
+    """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
+    JSON map of module -> device (inline or a .json file)."""
+
+    def validate(self) -> None:
+        _require_io(self)
+        self._at_least(1, "max_new_tokens", "batch_size", "prompt_tokens", "limit")
+        _check_device_map(self.device_map)
+
+
+def _require_io(cfg) -> None:
+    """extract and regenerate read --target and --data, and write --out."""
+    if not cfg.target:
+        raise DflashError("no target: pass --target or set `target` in the preset")
+    if not cfg.data:
+        raise DflashError("no data: pass --data or set `data` in the preset")
+    if not cfg.out:
+        raise DflashError("no output: pass --out")
+
+
+def _check_device_map(device_map: str | None) -> None:
+    if device_map:
+        from dflash.target import parse_device_map
+
+        parse_device_map(device_map)
+
+
 def check_storage(storage: str, scale_block: int) -> None:
-    if storage not in ("bf16", "fp8"):
-        raise DflashError(f"--storage must be bf16 or fp8, got {storage!r}")
+    check_value("storage", storage, Storage)
     if scale_block < 0:
         raise DflashError(f"--scale-block must be >= 0 (0: one scale per token and layer), got {scale_block}")
 
@@ -227,7 +290,7 @@ _PATH_FIELDS = {"target", "data", "out", "cache"}
 
 
 def load_preset(path: str | Path) -> dict:
-    """The TOML preset as a dict (one table per stage)."""
+    """The TOML preset as a dict (one table per command)."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -246,41 +309,77 @@ def _resolve_path(value: str, base: Path) -> str:
     return str(candidate.resolve())
 
 
+def preset_values(cls: type, preset: str | Path, section: str) -> dict:
+    """`[section]` of the preset as field values of `cls`: keys and types checked (errors name the file),
+    paths resolved against the preset's folder."""
+    table = load_preset(preset).get(section, {})
+    base = Path(preset).resolve().parent
+    hints = type_hints(cls)
+    values = {}
+    for key, value in table.items():
+        if key not in {f.name for f in dataclasses.fields(cls)}:
+            raise DflashError(f"--config {preset}: unknown key {key!r} in [{section}]")
+        value = check_value(key, value, hints[key], where=f"--config {preset}: ")
+        if key in _PATH_FIELDS:
+            value = [_resolve_path(v, base) for v in value] if isinstance(value, list) else _resolve_path(value, base)
+        values[key] = value
+    return values
+
+
 def build_config(cls: type, preset: str | Path | None, section: str, overrides: dict):
     """`cls` filled from `[section]` of the preset, then from `overrides` (CLI values that are not None)."""
-    values: dict = {}
-    if preset is not None:
-        table = load_preset(preset).get(section, {})
-        base = Path(preset).resolve().parent
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key, value in table.items():
-            if key not in known:
-                raise DflashError(f"--config {preset}: unknown key {key!r} in [{section}]")
-            if key in _PATH_FIELDS:
-                value = [_resolve_path(v, base) for v in value] if isinstance(value, list) else _resolve_path(value, base)
-            values[key] = value
-    values.update({k: v for k, v in overrides.items() if v is not None and v != () and v != []})
+    values = preset_values(cls, preset, section) if preset is not None else {}
+    values.update({k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()
+                   if v is not None and v != () and v != []})
     try:
-        cfg = cls(**values)
+        return cls(**values)
     except TypeError as e:
         raise DflashError(f"bad configuration: {e}") from None
-    _check_types(cfg, preset)
-    return cfg
 
 
-def _check_types(cfg, preset) -> None:
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value, hint = getattr(cfg, f.name), hints[f.name]
-        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        allowed = typing.get_args(hint) if is_union else (hint,)
-        origins = {typing.get_origin(a) or a for a in allowed}
-        if value is None and type(None) in origins:
-            continue
-        if isinstance(value, bool) and bool not in origins:
-            ok = False
-        else:
-            ok = any(isinstance(value, o) for o in origins if isinstance(o, type))
-        if not ok:
-            where = f"--config {preset}: " if preset else ""
-            raise DflashError(f"{where}{f.name} = {value!r} has the wrong type (expected {hint})")
+def check_value(name: str, value, hint, where: str = ""):
+    """`value` if it has type `hint` (an int is accepted, as a float, for a float), else a DflashError naming
+    the field (`where`: the preset it came from, else the CLI option)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for kind in allowed:
+        origin, args = typing.get_origin(kind) or kind, typing.get_args(kind)
+        if origin is Literal:
+            if value in args:
+                return value
+            what = name if where else option(name)
+            raise DflashError(f"{where}{what} must be one of {', '.join(args)}, got {value!r}")
+        if origin is list and isinstance(value, list) and all(_is(v, args[0]) for v in value):
+            return value
+        if origin is float and _is(value, int):
+            return float(value)
+        if origin is not list and _is(value, origin):
+            return value
+    raise DflashError(f"{where}{name} = {value!r} has the wrong type (expected {_type_name(hint)})")
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))  # True is no int here
+
+
+def _type_name(hint) -> str:
+    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
+
+
+@functools.cache
+def type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (Python keeps none at run time: read from the source),
+    with its whitespace folded: what `--help` prints."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs, body = {}, tree.body[0].body
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs

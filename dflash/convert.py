@@ -19,23 +19,27 @@ from types import SimpleNamespace
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import cache as cachelib
-from dflash import fp8
-from dflash.config import check_storage
+from dflash import cache as cachelib, fp8
+from dflash.config import ExtractConfig, check_storage
 from dflash.errors import DflashError
+from dflash.files import disk_full_is_an_error
 from dflash.target import resolve_device
 
 
-def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = 128, device: str = "auto",
-            write_threads: int = 4, log=print) -> dict:
+def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = ExtractConfig.scale_block,
+            device: str = "auto", write_threads: int = ExtractConfig.write_threads, log=print) -> dict:
     """Convert the committed shards of `src` into the cache at `out` (created, or resumed); returns a summary."""
+    with disk_full_is_an_error(out, lambda: cachelib.committed_note(Path(out))):
+        return _convert(src, Path(out), storage, scale_block, device, write_threads, log)
+
+
+def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_threads: int, log) -> dict:
     check_storage(storage, scale_block)
     if storage != "fp8":
         raise DflashError(f"--storage {storage}: only fp8 is a conversion target")
     src_cache = cachelib.Cache(src)
     if src_cache.fp8:
         raise DflashError(f"{src}: already an fp8 cache (storage {src_cache.manifest['storage_dtype']})")
-    out = Path(out)
     if out.exists() and out.resolve() == src_cache.path.resolve():
         raise DflashError(f"--out {out}: is the source cache; convert writes a new one")
     cachelib.check_writable(out)

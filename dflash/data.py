@@ -8,7 +8,6 @@ index: files are read in the given order and every non-blank JSONL line / Parque
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from dflash.errors import DflashError
+from dflash.files import sha256_file
 
 # Why a row yields no document ("no supervised tokens": no assistant turn or an empty completion). The
 # index is what the cache stores (`dropped_reasons`); the manifest lists the names.
@@ -51,12 +51,15 @@ def file_fingerprints(paths: list[str]) -> list[dict]:
         path = Path(p)
         if not path.is_file():
             raise DflashError(f"--data {p}: no such file")
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        out.append({"path": str(path.resolve()), "size": path.stat().st_size, "sha256": h.hexdigest()})
+        out.append({"path": str(path.resolve()), "size": path.stat().st_size, "sha256": sha256_file(path)})
     return out
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation rendered with the chat template, ending with the generation prompt of the assistant's
+    next turn: the token ids the target answers (`dflash regenerate`, `dflash spec`)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def read_rows(paths: list[str], limit: int | None = None, per_file: dict[str, int] | None = None) -> Iterator[Row]:
@@ -136,8 +139,8 @@ class Tokenizer:
             if "messages" in row.record:
                 text, row_spans = self._render(row)
             elif "completion" in row.record:  # loss on the completion only
-                prompt = row.record["prompt"]
-                text, row_spans = prompt + row.record["completion"], [(len(prompt), len(prompt) + len(row.record["completion"]))]
+                prompt, completion = row.record["prompt"], row.record["completion"]
+                text, row_spans = prompt + completion, [(len(prompt), len(prompt) + len(completion))]
             else:
                 text, row_spans = row.record["text"], None  # None: every token is trained on
             texts.append(text)

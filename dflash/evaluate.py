@@ -7,76 +7,13 @@ tau = mean accepted + 1 (the target's bonus token), as speculative decoding woul
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file
 
-from dflash import checkpoint
 from dflash.cache import Cache
-from dflash.drafter import Drafter, DrafterConfig
+from dflash.drafter import Drafter
+from dflash.drafter_io import load_drafter
 from dflash.errors import DflashError
 from dflash.objective import eager_attention, layout, valid_anchors
-
-
-def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict, dict]:
-    """(config, weights, info) of a training run folder (latest checkpoint) or an exported HF folder;
-    info names a run's held-out shards and cache key."""
-    path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        raise DflashError(f"--drafter {path}: no config.json (not a run or an exported drafter)") from None
-    if "drafter" in config:  # a training run
-        ckpt = checkpoint.latest(path)
-        if ckpt is None:
-            raise DflashError(f"--drafter {path}: the run has no checkpoint yet")
-        info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
-        return DrafterConfig(**config["drafter"]), checkpoint.load_weights(ckpt), info
-    return drafter_config_from_export(config, path), load_file(str(path / "model.safetensors")), \
-        {"holdout_shards": [], "cache_key": None}
-
-
-def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, available_layers: list[int] | None = None,
-                 device="cpu") -> tuple[Drafter, dict]:
-    """A drafter from a training run folder or an exported HF folder (`read_drafter`), on the target's
-    embeddings and head [V, H] (from a cache or from the target itself). Returns (drafter, info)."""
-    dcfg, weights, info = read_drafter(path)
-    vocab, hidden = embed.shape
-    if dcfg.hidden_size != hidden or dcfg.vocab_size != vocab:
-        raise DflashError(f"--drafter {path}: hidden {dcfg.hidden_size} / vocab {dcfg.vocab_size} do not match the "
-                          f"cache's target (hidden {hidden}, vocab {vocab})")
-    missing = [i for i in dcfg.target_layer_ids if available_layers is not None and i not in available_layers]
-    if missing:
-        raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
-                          f"(it holds {available_layers})")
-    drafter = Drafter(dcfg, embed, head).to(device)
-    copy_weights(drafter, weights, f"--drafter {path}")
-    return drafter.to(embed.dtype).eval(), info
-
-
-@torch.no_grad()
-def copy_weights(drafter: Drafter, weights: dict, what: str) -> None:
-    for name, p in drafter.named_parameters():
-        if name not in weights:
-            raise DflashError(f"{what}: weights lack {name}")
-        p.copy_(weights[name].to(p.dtype))
-
-
-def drafter_config_from_export(config: dict, path) -> DrafterConfig:
-    d = config.get("dflash_config") or {}
-    if "target_layer_ids" not in d:
-        raise DflashError(f"--drafter {path}: config.json has no dflash_config (not a DFlash drafter)")
-    return DrafterConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-                         intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
-                         num_key_value_heads=config["num_key_value_heads"],
-                         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                         rms_norm_eps=config["rms_norm_eps"],
-                         rope_theta=(config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e6),
-                         block_size=config["block_size"], target_layer_ids=d["target_layer_ids"],
-                         mask_token_id=d["mask_token_id"], vocab_size=config["vocab_size"],
-                         max_position_embeddings=config.get("max_position_embeddings", 40960))
 
 
 @torch.inference_mode()

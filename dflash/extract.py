@@ -22,26 +22,36 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import cache as cachelib
-from dflash import fp8
+from dflash import cache as cachelib, fp8
 from dflash.config import ExtractConfig
 from dflash.data import DROP_REASONS, Doc, Dropped, Tokenizer, file_fingerprints, read_rows
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.errors import DflashError
+from dflash.files import disk_full_is_an_error
 from dflash.packing import PACKER, plan_shards
-from dflash.target import (Target, check_layer_ids, config_hash, default_layer_ids,
-                           load_target, resolve_device, resolve_dtype, resolve_target, text_config,
-                           tokenizer_hash, weights_fingerprint)
+from dflash.target import (
+    Target,
+    check_layer_ids,
+    config_hash,
+    default_layer_ids,
+    load_target,
+    resolve_device,
+    resolve_dtype,
+    resolve_target,
+    text_config,
+    tokenizer_hash,
+    weights_fingerprint,
+)
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def extract(cfg: ExtractConfig, log=print) -> dict:
     """Extract (or resume) the cache described by `cfg`; returns a summary of what this rank did."""
-    cfg.validate()
     d = init_dist()
     try:
-        return _extract(cfg, d, log if d.is_main else (lambda *a, **k: None))
+        with disk_full_is_an_error(cfg.out, lambda: cachelib.committed_note(Path(cfg.out))):
+            return _extract(cfg, d, log if d.is_main else (lambda *a, **k: None))
     finally:
         close_dist()
 

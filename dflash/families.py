@@ -78,8 +78,10 @@ def causal_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Te
 def _causal_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
                             cache=None, past_key_values=None, **kwargs):
     # older transformers releases name the cache `past_key_values`
-    scores = index_scores(self, hidden_states, q_resid, position_embeddings, cache if cache is not None else past_key_values)
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0  # [B, S, T] causal (+ padding)
+    cache = cache if cache is not None else past_key_values
+    scores = index_scores(self, hidden_states, q_resid, position_embeddings, cache)
+    # [B, S, T] causal (+ padding)
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     return causal_topk(scores, allowed, self.index_topk)
 
 

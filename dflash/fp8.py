@@ -7,6 +7,9 @@ extraction), dequantisation inside the training step, in front of `fc`: the cach
 buffers and the host-to-device copies all carry ~half the bytes of bf16.
 
 A block of zeros (padding) gets s = 0 and q = 0, so it dequantises to exactly 0.
+
+Also the one place that views stored bits as tensors (`to_bits`, `bf16_from_bits`): zarr has no bf16 or
+fp8 dtype, so the cache holds their bits as uint16 / uint8, whichever the storage.
 """
 
 from __future__ import annotations

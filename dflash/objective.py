@@ -265,7 +265,7 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
 
 
 def flops_per_step(cfg, T: int, num_anchors: int, visible_keys: float | None = None) -> float:
-    """Training FLOPs of one step, counted as issue 3 prescribes (fwd + bwd, frozen head fwd + input grad):
+    """Training FLOPs of one step (fwd + bwd; the frozen head: fwd + input grad):
     per layer 6[(Wq+Wo+Wmlp)AB + (Wk+Wv)(AB+T)], + 6 Wfc T, + 4 V H A(B-1), + 12 heads head_dim sum(visible
     keys) per layer. `visible_keys` (StepOutput.visible_keys) defaults to half the shard of context per
     block token, as for one long document."""

@@ -13,46 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from dflash.checkpoint import write_json_atomic
-from dflash.data import Row, file_fingerprints, read_rows
+from dflash.config import RegenerateConfig
+from dflash.data import Row, chat_prompt_ids, file_fingerprints, read_rows
 from dflash.errors import DflashError
-
-
-@dataclass(kw_only=True)
-class RegenerateConfig:
-    target: str
-    """The Hugging Face target (folder or hub id)."""
-    data: list[str]
-    """Input JSONL/Parquet files."""
-    out: str
-    """Output JSONL (plus OUT.meta.json)."""
-    max_new_tokens: int = 512
-    """Longest generated response."""
-    temperature: float = 0.0
-    """0: greedy; otherwise sampling at this temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling (with temperature > 0)."""
-    prompt_tokens: int = 32
-    """Tokens of a `text` row kept as the prompt of its continuation."""
-    batch_size: int = 16
-    """Prompts generated together."""
-    seed: int = 0
-    """Sampling seed (each chunk reseeds from it, so a resumed run samples the same)."""
-    limit: int | None = None
-    """Only the first N rows."""
-    device: str = "auto"
-    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    dtype: str = "auto"
-    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
-    device_map: str | None = None
-    """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
-    JSON map of module -> device (inline or a .json file)."""
+from dflash.files import disk_full_is_an_error, write_json_atomic
 
 
 def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | None]:
@@ -64,8 +34,7 @@ def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | 
         kept = msgs[:end]
         if not any(m["role"] == "user" for m in kept):
             raise DflashError(f"{row.where}: no user turn to answer")
-        text = tok.apply_chat_template(kept, tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"], kept
+        return chat_prompt_ids(tok, kept), kept
     ids = tok(rec["text"])["input_ids"][:prompt_tokens]
     if not ids:
         raise DflashError(f"{row.where}: empty text, nothing to continue")
@@ -73,13 +42,15 @@ def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | 
 
 
 def _settings(cfg: RegenerateConfig, target_path) -> dict:
-    from dflash.target import config_hash, weights_fingerprint
     from transformers import AutoConfig
 
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}  # batch_size
-    # stays: it sets the chunks, and each chunk's sampling seed
+    from dflash.target import config_hash, weights_fingerprint
+
+    # batch_size stays: it sets the chunks, and each chunk's sampling seed
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}
     return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
-            "target_weights": weights_fingerprint(target_path), "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
+            "target_weights": weights_fingerprint(target_path),
+            "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
 
 
 def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
@@ -121,52 +92,58 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
     if done >= len(rows):
         log(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
         return {"rows": len(rows), "written": 0}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(meta, settings)
     device = resolve_device(cfg.device)
     model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device), device_map=cfg.device_map, log=log)
-    device = model.get_input_embeddings().weight.device  # where generate() takes its inputs
     tok.padding_side = "left"
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = model.generation_config.eos_token_id or tok.eos_token_id
     if done:
         log(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
-    tokens = 0
-    with out.open("a", encoding="utf-8") as f:
-        for start in range(done, len(rows), chunk):
-            part = rows[start : start + chunk]
-            prompts = [_prompt(r, tok, cfg.prompt_tokens) for r in part]
-            order = sorted(range(len(part)), key=lambda i: -len(prompts[i][0]))
-            gens: dict[int, list[int]] = {}
-            torch.manual_seed(cfg.seed + start)  # sampling is reproducible chunk by chunk
-            for b in range(0, len(order), cfg.batch_size):
-                idx = order[b : b + cfg.batch_size]
-                width = max(len(prompts[i][0]) for i in idx)
-                ids = torch.full((len(idx), width), pad, dtype=torch.long)
-                att = torch.zeros_like(ids)
-                for j, i in enumerate(idx):
-                    p = prompts[i][0]
-                    ids[j, width - len(p):] = torch.tensor(p)
-                    att[j, width - len(p):] = 1
-                sample = cfg.temperature > 0
-                with torch.inference_mode():
-                    res = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                                         max_new_tokens=cfg.max_new_tokens, do_sample=sample,
-                                         temperature=cfg.temperature if sample else None,
-                                         top_p=cfg.top_p if sample else None, top_k=None,
-                                         pad_token_id=pad, eos_token_id=eos)
-                for j, i in enumerate(idx):
-                    gens[i] = _until_eos(res[j, width:].tolist(), eos, pad)
-            tokens += sum(len(g) for g in gens.values())
-            f.write("".join(json.dumps(_rewrite(row, prompts[i], gens[i], tok), ensure_ascii=False) + "\n"
-                            for i, row in enumerate(part)))  # one write per chunk
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(part))
-    bar.close()
+    tokens, written = 0, done
+    with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(meta, settings)
+        with out.open("a", encoding="utf-8") as f:
+            for start in range(done, len(rows), chunk):
+                part = rows[start : start + chunk]
+                prompts = [_prompt(r, tok, cfg.prompt_tokens) for r in part]
+                torch.manual_seed(cfg.seed + start)  # sampling is reproducible chunk by chunk
+                gens = _generate(model, tok, [p[0] for p in prompts], cfg)
+                tokens += sum(len(g) for g in gens)
+                f.write("".join(json.dumps(_rewrite(row, prompts[i], gens[i], tok), ensure_ascii=False) + "\n"
+                                for i, row in enumerate(part)))  # one write per chunk
+                f.flush()
+                os.fsync(f.fileno())
+                written = start + len(part)
+                bar.update(len(part))
     log(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
     return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens}
+
+
+def _generate(model, tok, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
+    """The target's generation after each prompt (up to its end token), batched longest first, left-padded."""
+    device = model.get_input_embeddings().weight.device  # where generate() takes its inputs
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    sample = cfg.temperature > 0
+    gens: list[list[int]] = [[] for _ in prompts]
+    for b in range(0, len(order), cfg.batch_size):
+        idx = order[b : b + cfg.batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for j, i in enumerate(idx):
+            ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            att[j, width - len(prompts[i]):] = 1
+        with torch.inference_mode():
+            res = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                 max_new_tokens=cfg.max_new_tokens, do_sample=sample,
+                                 temperature=cfg.temperature if sample else None,
+                                 top_p=cfg.top_p if sample else None, top_k=None,
+                                 pad_token_id=pad, eos_token_id=eos)
+        for j, i in enumerate(idx):
+            gens[i] = _until_eos(res[j, width:].tolist(), eos, pad)
+    return gens
 
 
 def _until_eos(ids: list[int], eos, pad) -> list[int]:

@@ -50,7 +50,8 @@ class RewindableCache:
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
         self._inputs: dict[int, tuple] = {}
         self._saved: dict[int, dict] = {}
-        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True) for i, m in self.mixers.items()]
+        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True)
+                       for i, m in self.mixers.items()]
 
     def _keep_inputs(self, i: int):
         def hook(module, args, kwargs):
@@ -213,7 +214,7 @@ def ngram_accepted(tokens: list[int], start: int, block_size: int, max_n: int = 
 def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Prompts from JSONL: `messages` rows (up to the last user turn, with the generation prompt) or
     `prompt` / `text` rows (raw text)."""
-    from dflash.data import jsonl_rows
+    from dflash.data import chat_prompt_ids, jsonl_rows
 
     prompts = []
     for where, row in jsonl_rows(path):
@@ -222,8 +223,7 @@ def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[in
             last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
             if last_user is None:
                 raise DflashError(f"{where}: a prompt needs a user turn")
-            text = tokenizer.apply_chat_template(msgs[: last_user + 1], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = chat_prompt_ids(tokenizer, msgs[: last_user + 1])
         elif isinstance(row.get("prompt", row.get("text")), str):
             ids = tokenizer(row.get("prompt", row.get("text")))["input_ids"]
         else:
@@ -241,7 +241,8 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     """Decode every prompt speculatively and with the target alone; `save_outputs`: a JSONL of
     {"prompt", "completion"} rows (the target's answers: a cache of them gives the offline tau to
     compare)."""
-    from dflash.evaluate import by_slot, load_drafter
+    from dflash.drafter_io import load_drafter
+    from dflash.evaluate import by_slot
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     dev = resolve_device(device)

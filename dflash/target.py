@@ -24,14 +24,15 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash"
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN.md's default (the reference's `build_target_layer_ids`, Python rounding):
+    """The reference's default (its `build_target_layer_ids`, Python rounding):
     round(1 + k(N-4)/(n-1)) for k = 0..n-1, and [N//2] for n = 1."""
     n, N = num_draft_layers, num_target_layers
     if n == 1:
         return [N // 2]
     ids = [round(1 + k * (N - 4) / (n - 1)) for k in range(n)]
     if len(set(ids)) < n or ids[-1] >= N:
-        raise DflashError(f"--draft-layers {n}: a {N}-layer target has too few layers for the default ids; pass --layers")
+        raise DflashError(f"--draft-layers {n}: a {N}-layer target has too few layers for the default ids; "
+                          f"pass --layers")
     return ids
 
 
@@ -58,7 +59,8 @@ def resolve_target(name: str, trust_remote_code: bool = False) -> Path:
         raise DflashError(f"--target {name}: not a model folder")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"] + (["*.py"] if trust_remote_code else [])
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    patterns += ["*.py"] if trust_remote_code else []
     for local_only in (True, False):
         try:
             return Path(snapshot_download(name, local_files_only=local_only, allow_patterns=patterns))
@@ -153,7 +155,8 @@ class Target:
         self.device = device or self.input_device
         self.greedy_chunk = greedy_chunk
         # transformers renamed `past_key_values` to `cache` (5.2x); take whichever the model has
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.backbone.forward).parameters else "past_key_values"
+        params = inspect.signature(self.backbone.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_layers(model, self.num_layers)
         for i in self.layer_ids:
@@ -236,11 +239,9 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
     choose_experts(model, experts_implementation, log)
     if device_map:
         placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
-        log(f"--device-map {device_map if len(device_map) < 40 else '(map)'}: the target's layers on {', '.join(placed)}")
+        shown = device_map if len(device_map) < 40 else "(map)"
+        log(f"--device-map {shown}: the target's layers on {', '.join(placed)}")
     return model, tokenizer
-
-
-EXPERTS_IMPLEMENTATIONS = ("auto", "grouped_mm", "batched_mm", "eager")
 
 
 def choose_experts(model, requested: str, log) -> str | None:
@@ -270,7 +271,8 @@ def parse_device_map(value: str) -> str | dict:
         text = Path(value).read_text() if value.endswith(".json") else value
         mapping = json.loads(text)
     except (OSError, ValueError) as e:
-        raise DflashError(f"--device-map {value}: not a strategy (auto, balanced, sequential) nor a JSON map ({e})") from None
+        raise DflashError(f"--device-map {value}: not a strategy (auto, balanced, sequential) nor a JSON map "
+                          f"({e})") from None
     if not isinstance(mapping, dict):
         raise DflashError(f"--device-map {value}: a JSON map must be an object of module name -> device")
     return mapping

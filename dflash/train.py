@@ -4,6 +4,10 @@ One step = one shard: T context tokens, A anchors, blocks of B. On GPU the loss 
 once with torch.compile(mode="reduce-overhead", dynamic=False) and its backward follows as CUDA
 graphs; every input is a persistent device buffer that the loader refills, so nothing recompiles
 after the first step (counted, logged). On CPU the same step runs eagerly (attention through SDPA).
+
+    train = build (cache, drafter shape, preflight checks, run folder, drafter, optimizer, the step wrapped
+            in DDP and compiled, once) -> resume (the latest checkpoint, else --init-from) -> loop (the
+            steps of this rank's shard schedule; `Metrics` logs them; checkpoints; evaluations)
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +28,14 @@ from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.config import TrainConfig
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
+from dflash.drafter_io import copy_weights, read_drafter
 from dflash.errors import DflashError
-from dflash.evaluate import acceptance, copy_weights, read_drafter
+from dflash.evaluate import acceptance
+from dflash.files import disk_full_is_an_error, write_json_atomic
 from dflash.loader import ShardLoader, epoch_order
-from dflash.objective import drafter_loss, flops_per_step
+from dflash.metrics import Metrics, StepResult
+from dflash.objective import drafter_loss
 from dflash.target import resolve_device
-
-PEAK_TFLOPS = 811.0  # bf16 dense matmul measured on the project's H200: the MFU denominator
-
 
 # -- setup --------------------------------------------------------------------------------------------
 
@@ -40,27 +44,17 @@ def drafter_config(cfg: TrainConfig, cache: Cache) -> DrafterConfig:
     """The drafter's shape: the cache fixes hidden and vocab sizes; other widths default to the target's."""
     m = cache.manifest
     target = json.loads((cache.path / TARGET_CONFIG_FILE).read_text())
-    target = target.get("text_config", target)
-    rope = target.get("rope_parameters") or {}
-    mask = cfg.mask_token_id if cfg.mask_token_id is not None else target.get("dflash_mask_token_id")
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else \
+        target.get("text_config", target).get("dflash_mask_token_id")
     if mask is None:
         raise DflashError("--mask-token-id is needed: the target's config names no dflash_mask_token_id")
     if not 0 <= mask < m["vocab_size"]:
         raise DflashError(f"--mask-token-id {mask} is outside the target's vocabulary (size {m['vocab_size']})")
-
-    def pick(name, default=None):
-        value = getattr(cfg, name, None)
-        return value if value is not None else target.get(name, default)
-
-    heads = pick("num_attention_heads")
-    return DrafterConfig(
-        # MoE targets without a dense MLP width (Qwen3.5-MoE): 3x hidden, the dense Qwen3 ratio
-        num_layers=cfg.num_layers, hidden_size=m["hidden_size"], intermediate_size=pick("intermediate_size") or 3 * m["hidden_size"],
-        num_attention_heads=heads, num_key_value_heads=pick("num_key_value_heads", heads),
-        head_dim=pick("head_dim") or m["hidden_size"] // heads, rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.rope_theta or rope.get("rope_theta") or target.get("rope_theta", 1e6),
-        block_size=cfg.block_size, target_layer_ids=list(cache.layer_ids), mask_token_id=int(mask),
-        vocab_size=m["vocab_size"], max_position_embeddings=target.get("max_position_embeddings", 40960))
+    return DrafterConfig.from_target_config(
+        target, hidden_size=m["hidden_size"], vocab_size=m["vocab_size"], num_layers=cfg.num_layers,
+        block_size=cfg.block_size, target_layer_ids=cache.layer_ids, mask_token_id=mask,
+        intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
 
 
 def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
@@ -79,7 +73,7 @@ def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
 
 def init_weights(drafter: Drafter, path: str) -> None:
     """--init-from: another run's or an export's weights, if the drafter it holds has this run's shape."""
-    src, weights, _ = read_drafter(path)
+    src, weights, _ = read_drafter(path, "--init-from")
     ours, theirs = drafter.cfg.to_dict(), src.to_dict()
     diffs = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if k != "max_position_embeddings" and theirs[k] != ours[k]]
     if diffs:
@@ -96,7 +90,8 @@ def split_shards(cfg: TrainConfig, num_shards: int) -> tuple[list[int], list[int
     return [s for s in range(num_shards) if s not in set(holdout)], holdout
 
 
-def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int], holdout: list[int]) -> dict:
+def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int],
+               holdout: list[int]) -> dict:
     return {"dflash_version": dflash.__version__, "train": asdict(cfg), "drafter": dcfg.to_dict(),
             "train_shards": train_shards,
             "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest["cache_key"],
@@ -119,7 +114,7 @@ def check_or_write_run_config(run: Path, config: dict, cfg: TrainConfig) -> dict
                               f"use another --out")
         return old
     run.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_json_atomic(path, config)
+    write_json_atomic(path, config)
     return config
 
 
@@ -166,34 +161,47 @@ class LossModule(torch.nn.Module):
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys
 
 
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process: any growth after the first step is a recompile."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"].get("unique_graphs", 0)
-
-
-def cudagraph_skips() -> int:
-    """Compiled graphs that inductor ran without CUDA graphs (silently slower)."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"].get("cudagraph_skips", 0)
-
-
-# -- the loop -----------------------------------------------------------------------------------------
+# -- build, resume, loop ------------------------------------------------------------------------------
 
 
 def train(cfg: TrainConfig, log=print) -> dict:
-    cfg.validate()
+    """Train (or resume, or find finished) the run `cfg` describes; returns a summary of this call."""
     device = resolve_device(cfg.device)
     d = init_dist("nccl" if device.type == "cuda" else "gloo")
+    log = log if d.is_main else (lambda *a, **k: None)
     try:
-        return _train(cfg, d, device, log if d.is_main else (lambda *a, **k: None))
+        with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"):
+            s = build(cfg, d, device)
+            start = resume(s, log)
+            if start >= s.total:
+                log(f"{s.run}: already trained for {start} steps: nothing to do")
+                return {"steps": start, "resumed_at": start}
+            return loop(s, start, log)
     finally:
         close_dist()
 
 
-def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
+@dataclass
+class Setup:
+    """A run ready to train: its config, cache and shard lists, the drafter, its optimizer and its step."""
+
+    cfg: TrainConfig
+    d: Dist
+    device: torch.device
+    run: Path
+    cache: Cache
+    dcfg: DrafterConfig
+    train_shards: list[int]
+    holdout: list[int]  # held-out shards that are committed: what evaluations read
+    total: int  # steps of the whole schedule
+    drafter: Drafter
+    optimizer: torch.optim.Optimizer
+    loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked
+    compiled: bool
+
+
+def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
+    """Everything the loop needs, checked before any heavy work."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -201,181 +209,146 @@ def _train(cfg: TrainConfig, d: Dist, device: torch.device, log) -> dict:
     cache = Cache(cfg.cache, layers=cfg.layers)
     dcfg = drafter_config(cfg, cache)
     preflight(cfg, cache, dcfg)
-    train_shards, holdout = split_shards(cfg, cache.num_shards)
-    if not cfg.follow:  # without --follow, train on what is committed now
-        done = set(cache.committed())
-        train_shards = [s for s in train_shards if s in done]
     if d.world > 1 and cfg.on_corrupt == "skip":
         raise DflashError("--on-corrupt skip runs in one process only (DDP ranks would fall out of step); "
                           "`dflash cache verify` names bad shards, and deleting their commits/ records excludes them")
-    if len(train_shards) < d.world:
-        raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
-    run = Path(cfg.out)
-    config = None
-    if d.is_main:  # a resumed run keeps the shard lists it started with, whatever was committed since
-        config = check_or_write_run_config(run, run_config(cfg, dcfg, cache, train_shards, holdout), cfg)
-    config = d.broadcast(config)
-    train_shards, holdout = config.get("train_shards", train_shards), config["holdout_shards"]
-
+    train_shards, holdout = run_shards(cfg, d, cache, dcfg)
     embed, head = cache.target_weights(device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
-    params = list(drafter.parameters())
     lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
-
-    start = 0
-    ckpt = d.broadcast(checkpoint.latest(run))  # rank 0's: every rank resumes from the same step
-    if ckpt is not None:
-        start = checkpoint.load(ckpt, drafter, optimizer)["step"]
-        log(f"resuming {run} from step {start}")
-    elif cfg.init_from:  # a resumed run has its own weights: the source is read only at the start
-        init_weights(drafter, cfg.init_from)
-    total = cfg.max_steps or cfg.epochs * (len(train_shards) // d.world)
-    if start >= total:
-        log(f"{run}: already trained for {start} steps: nothing to do")
-        return {"steps": start, "resumed_at": start}
-    if d.is_main:
-        truncate_metrics(run / "metrics.jsonl", start)
-
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
     module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)
+    loss_fn, compiled = wrap_step(module, cfg, d, device)
+    return Setup(cfg=cfg, d=d, device=device, run=Path(cfg.out), cache=cache, dcfg=dcfg, train_shards=train_shards,
+                 holdout=holdout, total=cfg.max_steps or cfg.epochs * (len(train_shards) // d.world),
+                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled)
+
+
+def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> tuple[list[int], list[int]]:
+    """(train, held-out) shards. A run keeps the lists it started with in RUN/config.json (written here, or
+    found to hold this run) whatever was committed since; evaluations read the held-out shards committed now."""
+    train_shards, holdout = split_shards(cfg, cache.num_shards)
+    if not cfg.follow:  # without --follow, train on what is committed now
+        done = set(cache.committed())
+        train_shards = [s for s in train_shards if s in done]
+    if len(train_shards) < d.world:
+        raise DflashError(f"{len(train_shards)} training shards cannot be split across {d.world} ranks")
+    config = None
+    if d.is_main:
+        config = check_or_write_run_config(Path(cfg.out), run_config(cfg, dcfg, cache, train_shards, holdout), cfg)
+    config = d.broadcast(config)
+    committed = set(cache.committed())
+    return config.get("train_shards", train_shards), [s for s in config["holdout_shards"] if s in committed]
+
+
+def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[torch.nn.Module, bool]:
+    """The step as it runs, and whether it is compiled: in DDP over several ranks, then compiled
+    (reduce-overhead: CUDA graphs) on GPU or when asked. The one place compilation is applied."""
+    cuda = device.type == "cuda"
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
                                                            broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
-    loss_fn = torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module
+    return (torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module), compiled
 
-    schedule = rank_schedule(train_shards, cfg, d, start, total)
-    committed = set(cache.committed())
-    holdout = [s for s in holdout if s in committed]
-    loader = ShardLoader(cache, schedule, device, cfg.prefetch, cfg.follow, cfg.on_corrupt, log)
-    T = cache.token_budget
-    bar = tqdm(total=total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
+
+def resume(s: Setup, log) -> int:
+    """The step to start from: the run's latest checkpoint (weights, optimizer, RNG), else 0 (weights from
+    --init-from if given: a resumed run has its own, so the source is read only at the start)."""
+    ckpt = s.d.broadcast(checkpoint.latest(s.run))  # rank 0's: every rank resumes from the same step
+    if ckpt is not None:
+        start = checkpoint.load(ckpt, s.drafter, s.optimizer)["step"]
+        log(f"resuming {s.run} from step {start}")
+        return start
+    if s.cfg.init_from:
+        init_weights(s.drafter, s.cfg.init_from)
+    return 0
+
+
+def train_step(s: Setup, inputs, lr: float) -> StepResult:
+    """Forward, backward, clip, optimizer step; no host sync (the outputs stay on the device)."""
+    if s.compiled:
+        torch.compiler.cudagraph_mark_step_begin()
+    group = s.optimizer.param_groups[0]
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+    loss, weight_sum, slot_correct, slot_count, visible_keys = s.loss_fn(**inputs.tensors())
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(group["params"], s.cfg.grad_clip)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, weight_sum, slot_correct, slot_count, visible_keys, grad_norm)
+
+
+def loop(s: Setup, start: int, log) -> dict:
+    """Steps start..total-1 over this rank's shard schedule: a log line every --log-every steps, a checkpoint
+    every --save-every (and at the end), tau on the held-out shards every --eval-every (and at the end)."""
+    cfg, d, run = s.cfg, s.d, s.run
+    loader = ShardLoader(s.cache, rank_schedule(s.train_shards, cfg, d, start, s.total), s.device, cfg.prefetch,
+                         cfg.follow, cfg.on_corrupt, log)
+    metrics = Metrics(run / "metrics.jsonl" if d.is_main else None, start, s.dcfg, s.cache.token_budget,
+                      cfg.num_anchors, d.world, s.device)
+    bar = tqdm(total=s.total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
                dynamic_ncols=True)
-    acc = _Accumulator(dcfg.block_size, device)
-    saved = start
+    step = saved = start
 
-    def save(at: int) -> None:
-        nonlocal saved
+    def save(at: int) -> int:
+        metrics.check_finite(last_good(run))  # nothing non-finite is ever saved
         if d.is_main:
-            checkpoint.save(run, at, drafter, optimizer, {"shards_seen": at * d.world})
+            checkpoint.save(run, at, s.drafter, s.optimizer, {"shards_seen": at * d.world})
         d.barrier()
-        saved = at
+        return at
 
     def evaluate(at: int) -> None:
-        if not (holdout and d.is_main):
+        metrics.check_finite(last_good(run))
+        if not (s.holdout and d.is_main):
             return
-        result = acceptance(drafter.eval(), cache, holdout[: cfg.eval_shards], device)
-        drafter.train()
-        with (run / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({"step": at, "tau": result["tau"], "per_slot": result["per_slot"]}) + "\n")
+        result = acceptance(s.drafter.eval(), s.cache, s.holdout[: cfg.eval_shards], s.device)
+        s.drafter.train()
+        metrics.tau(at, result)
         bar.write(f"step {at}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
 
-    step, t_log, wait_log, first_step_s, compiles_after_first = start, time.perf_counter(), 0.0, None, 0
-    skips_before = cudagraph_skips()  # process-wide counter: report this run's
     try:
-        for shard, inputs in loader:
+        for _, inputs in loader:
             t0 = time.perf_counter()
-            if compiled:
-                torch.compiler.cudagraph_mark_step_begin()
-            if cuda:
-                optimizer.param_groups[0]["lr"].fill_(lr_at(cfg, step, total))
-            else:
-                optimizer.param_groups[0]["lr"] = lr_at(cfg, step, total)
-            loss, wsum, correct, count, visible = loss_fn(**inputs.tensors())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            acc.add(loss, wsum, correct, count, visible)  # sums on the device: graph outputs are reused
+            out = train_step(s, inputs, lr_at(cfg, step, s.total))
             step += 1
+            metrics.add(out, step)
             if step == start + 1:
-                if cuda:
-                    torch.cuda.synchronize()  # host sync, once: time the first (compiling) step
-                first_step_s = time.perf_counter() - t0
-                graphs_after_first = compiled_graphs()
+                metrics.first_step(t0)
             bar.update(1)
-            if step % cfg.log_every == 0 or step == total:
-                now = time.perf_counter()
-                record = acc.flush(step)  # host sync: every log_every steps only
-                n = record.pop("_steps")
-                visible = record.pop("_visible_keys")
-                dt = now - t_log
-                record.update(lr=lr_at(cfg, step - 1, total), tokens_per_s=n * T * d.world / dt,
-                              input_wait=(loader.wait_s - wait_log) / dt, epoch=(step - 1) * d.world // len(train_shards))
-                if cuda:
-                    flops = flops_per_step(dcfg, T, cfg.num_anchors, visible)
-                    record["mfu"] = n * flops / dt / (PEAK_TFLOPS * 1e12)
-                    compiles_after_first = compiled_graphs() - graphs_after_first
-                    record["recompiles"] = compiles_after_first
-                    record["cudagraph_skips"] = cudagraph_skips() - skips_before
-                t_log, wait_log = now, loader.wait_s
+            if step % cfg.log_every == 0 or step == s.total:
+                record = metrics.log(step, lr_at(cfg, step - 1, s.total), (step - 1) * d.world // len(s.train_shards),
+                                     loader.wait_s)
+                metrics.check_finite(last_good(run))
                 bar.set_postfix_str(f"loss {record['loss']:.3f} acc1 {record['slot_acc'][0]:.2f}", refresh=False)
-                if d.is_main:
-                    with (run / "metrics.jsonl").open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-            if step % cfg.save_every == 0 or step == total:
-                save(step)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+            if step % cfg.save_every == 0 or step == s.total:
+                saved = save(step)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != s.total:
                 evaluate(step)
-            if step >= total:
+            if step >= s.total:
                 break
         if saved != step:  # the schedule ran out early (skipped shards): keep what was learned
-            save(step)
+            saved = save(step)
         evaluate(step)
     finally:
         loader.close()
         bar.close()
-    log(f"{run}: trained to step {step} of {total}" + (f"; first step {first_step_s:.1f}s" if first_step_s else "")
-        + (f"; recompiles after step 1: {compiles_after_first}" if compiled else ""))
-    return {"steps": step, "resumed_at": start, "first_step_s": first_step_s, "recompiles": compiles_after_first,
-            "cudagraph_skips": cudagraph_skips() - skips_before if compiled else 0,
+    log(f"{run}: trained to step {step} of {s.total}"
+        + (f"; first step {metrics.first_step_s:.1f}s" if metrics.first_step_s else "")
+        + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else ""))
+    return {"steps": step, "resumed_at": start, "first_step_s": metrics.first_step_s, "recompiles": metrics.recompiles,
+            "cudagraph_skips": metrics.cudagraph_skips() if s.compiled else 0,
             "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
 
 
-class _Accumulator:
-    """Sums of the step outputs on the device; read back only when a log line is due."""
-
-    def __init__(self, block_size: int, device):
-        self.device, self.B = device, block_size
-        self.reset()
-
-    def reset(self):
-        z = lambda *s: torch.zeros(*s, device=self.device)  # noqa: E731
-        self.loss, self.wsum, self.visible = z(()), z(()), z(())
-        self.correct, self.count, self.steps = z(self.B - 1), z(self.B - 1), 0
-
-    def add(self, loss, wsum, correct, count, visible):
-        self.loss += loss.detach() * wsum.detach()
-        self.wsum += wsum.detach()
-        self.correct += correct
-        self.count += count
-        self.visible += visible
-        self.steps += 1
-
-    def flush(self, step: int) -> dict:
-        loss = (self.loss / self.wsum.clamp(min=1e-6)).item()
-        acc = (self.correct / self.count.clamp(min=1)).tolist()
-        out = {"step": step, "loss": loss, "slot_acc": [round(a, 4) for a in acc], "_steps": self.steps,
-               "trained_slots_per_step": self.count.sum().item() / self.steps,  # useful draft tokens
-               "_visible_keys": self.visible.item() / self.steps}
-        self.reset()
-        return out
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop log lines past the checkpoint (and a line torn by a crash) so the log reads as
-    one run. Replaced atomically: a kill here loses nothing."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    checkpoint.write_text_atomic(path, "".join(line + "\n" for line in keep))
+def last_good(run: Path) -> str:
+    """What a stopped run leaves: its latest checkpoint, the one the same command resumes from."""
+    ckpt = checkpoint.latest(run)
+    return f"its last good checkpoint, {ckpt.name}, is intact" if ckpt else "no checkpoint was saved yet"

@@ -5,7 +5,7 @@ standard library, split exactly as the tiny target's training split its files.
 - `code.jsonl`: `{"text", "source"}` headers from the target's *training* files; `dflash regenerate
   --prompt-tokens 100000` has the target write each body (what the drafter trains on).
 - `code_prompts.jsonl`: headers from the target's *held-out* files (never seen by the target or the
-  drafter): the prompts of `dflash spec` for issue 4's quality figures.
+  drafter): the prompts of `dflash spec` for the drafter quality figures.
 - `--all FILE`: every function header of the training files (signature, and docstring where there is
   one; ~49 K rows): prompts for a large regeneration (`bench/quality_gpu.py`), not kept in the repo.
 

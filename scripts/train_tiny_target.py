@@ -112,7 +112,8 @@ def model_config(arch: str, tok, hidden: int, layers: int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", choices=["qwen3", "qwen3_5"], default="qwen3", help="dense Qwen3 or a GatedDeltaNet hybrid")
+    p.add_argument("--arch", choices=["qwen3", "qwen3_5"], default="qwen3",
+                   help="dense Qwen3 or a GatedDeltaNet hybrid")
     p.add_argument("--minutes", type=float, default=4.0, help="training time budget (unless --epochs)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the corpus (replaces --minutes)")
     p.add_argument("--corpus", default=None, help=".npz of tokens: loaded if it exists, else built and saved")
@@ -133,8 +134,8 @@ def main():
     t0 = time.time()
     train_tokens, held_tokens, n_files, corpus_python = load_corpus(args.corpus, tok)
     train_tokens, held_tokens = train_tokens.astype(np.int32), held_tokens.astype(np.int32)
-    print(f"corpus (Python {corpus_python} stdlib): {n_files} files, {len(train_tokens):,} train / {len(held_tokens):,} held-out tokens "
-          f"({time.time() - t0:.0f}s)", flush=True)
+    print(f"corpus (Python {corpus_python} stdlib): {n_files} files, {len(train_tokens):,} train / "
+          f"{len(held_tokens):,} held-out tokens ({time.time() - t0:.0f}s)", flush=True)
     config = model_config(args.arch, tok, args.hidden, args.layers)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
@@ -167,13 +168,15 @@ def main():
         step += 1
         if step == 10:
             t10 = time.time()  # past the compile
-        if step == 40 and args.max_steps is None and args.epochs is None:  # host sync (loss.item) below is only at evals
+        # host sync (loss.item) below is only at evals
+        if step == 40 and args.max_steps is None and args.epochs is None:
             per_step = (time.time() - t10) / 30
             est_steps = 40 + int((budget - (time.time() - start)) / per_step)
             print(f"~{per_step * 1e3:.0f} ms/step: {est_steps} steps in {args.minutes} min", flush=True)
         if step % args.eval_every == 0 or step == est_steps:
             held = held_out_loss(model, held_tokens, args.seq, device)
-            log.append({"step": step, "loss": loss.item(), "held_out_loss": held, "seconds": round(time.time() - start, 1)})
+            log.append({"step": step, "loss": loss.item(), "held_out_loss": held,
+                        "seconds": round(time.time() - start, 1)})
             print(json.dumps(log[-1]), flush=True)
             if held < best[0]:
                 best = (held, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -199,7 +202,8 @@ def main():
     record = {"what": f"{type(model).__name__} trained on the CPython standard library's .py sources",
               "script": "scripts/train_tiny_target.py", "args": vars(args), "parameters": n_params,
               "train_tokens_seen": step * args.batch * args.seq, "corpus_train_tokens": int(len(train_tokens)),
-              "held_out_tokens": int(len(held_tokens)), "corpus_python": corpus_python, "held_out_loss": held, "best_step": best_step, "steps": step,
+              "held_out_tokens": int(len(held_tokens)), "corpus_python": corpus_python, "held_out_loss": held,
+              "best_step": best_step, "steps": step,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "log": log}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
+
+from dflash import fp8
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = REPO / "data" / "tiny-target"
@@ -51,7 +54,8 @@ def small_data(tmp_path_factory) -> Path:
 def extract_args(data: Path, out: Path, **options) -> list[str]:
     """CLI arguments for a small, fast extraction on the tiny target."""
     opts = {"target": str(TINY_TARGET), "token-budget": 512, "max-docs": 8, "draft-layers": 3, "window": 2,
-            "batch-size": 8, "batch-tokens": 2048, "device": "cpu", **{k.replace("_", "-"): v for k, v in options.items()}}
+            "batch-size": 8, "batch-tokens": 2048, "device": "cpu",
+            **{k.replace("_", "-"): v for k, v in options.items()}}
     args = ["extract", "--data", str(data), "--out", str(out)]
     for k, v in opts.items():
         args += [f"--{k}", str(v)]
@@ -81,6 +85,22 @@ def run_in_process(args: list[str]):
     return CliRunner().invoke(main, args, catch_exceptions=False)
 
 
+def fill_disk_after(monkeypatch, n: int) -> None:
+    """From the n-th chunk a cache writes on, the write fails with ENOSPC, as on a full disk (until
+    `monkeypatch.undo()`)."""
+    from dflash.cache import Cache
+
+    real, calls = Cache._write_chunk, []
+
+    def write_chunk(self, name, coords, block):
+        calls.append(name)
+        if len(calls) >= n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / name))
+        return real(self, name, coords, block)
+
+    monkeypatch.setattr(Cache, "_write_chunk", write_chunk)
+
+
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
     """Every shard array of a cache (with fp8 storage, `hidden_scale` too)."""
     group = zarr.open_group(path, mode="r")
@@ -92,7 +112,7 @@ def committed(path: Path) -> list[int]:
 
 
 def bf16_bits_to_float(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
+    return fp8.bf16_from_bits(a).float()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

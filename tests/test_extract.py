@@ -11,8 +11,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (CACHE_ARRAYS, SAMPLE_TEXT, TINY_HIDDEN, TINY_TARGET, TINY_VOCAB, bf16_bits_to_float, committed, extract_args, read_arrays,
-                      rel_err, run_in_process, sample_rows, write_jsonl)
+from conftest import (
+    CACHE_ARRAYS,
+    SAMPLE_TEXT,
+    TINY_HIDDEN,
+    TINY_TARGET,
+    TINY_VOCAB,
+    bf16_bits_to_float,
+    committed,
+    extract_args,
+    fill_disk_after,
+    read_arrays,
+    rel_err,
+    run_in_process,
+    sample_rows,
+    write_jsonl,
+)
+from dflash import fp8
 from dflash.cache import Cache, CorruptShardError, info, read_manifest, verify
 from dflash.data import DROP_REASONS
 
@@ -281,7 +296,7 @@ def test_the_data_readme_reader_snippet_runs(cache_dir):
     exec(snippet.replace("CACHE", str(cache_dir)).replace("index(17)", "index(2)"), scope)
     assert scope["h"].shape == (512, TINY_HIDDEN) and scope["h"].dtype == torch.bfloat16
     expected = Cache(cache_dir, layers=[2]).read_shard(0).hidden[:, 0]
-    assert np.array_equal(scope["h"].view(torch.int16).numpy().view(np.uint16), expected)
+    assert np.array_equal(fp8.to_bits(scope["h"]), expected)
 
 
 def test_zstd_cache_holds_the_same_values_and_verifies(cache_dir, small_data, tmp_path):
@@ -292,10 +307,31 @@ def test_zstd_cache_holds_the_same_values_and_verifies(cache_dir, small_data, tm
     got, want = read_arrays(out), read_arrays(cache_dir)
     for name in want:
         assert np.array_equal(got[name], want[name]), name
-    assert np.array_equal(Cache(out, layers=[3]).read_shard(1).hidden, Cache(cache_dir, layers=[3]).read_shard(1).hidden)
+    want_hidden = Cache(cache_dir, layers=[3]).read_shard(1).hidden
+    assert np.array_equal(Cache(out, layers=[3]).read_shard(1).hidden, want_hidden)
     assert verify(out) == []
     chunk = out / "hidden" / "c" / "0" / "0" / "1" / "0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x01
     chunk.write_bytes(bytes(data))
     assert [s for s, _ in verify(out)] == [0]
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_resumes(cache_dir, small_data, tmp_path, monkeypatch):
+    """The writer thread hits ENOSPC on its 30th chunk: one line naming the cache, what is committed and that
+    the same command resumes; once there is room again it does, to the cache an uninterrupted run writes."""
+    out = tmp_path / "c"
+    fill_disk_after(monkeypatch, 30)
+    result = run_in_process(extract_args(small_data, out))
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    done = len(committed(out))
+    assert 0 < done < read_manifest(out)["num_shards"]
+    assert errors[0].startswith(f"error: {out}: no space left on the device (writing {out}/")
+    assert f"{done} of {read_manifest(out)['num_shards']} shards are committed and intact" in errors[0]
+    assert errors[0].endswith("run the same command again: it resumes")
+    monkeypatch.undo()
+    assert run_in_process(extract_args(small_data, out)).exit_code == 0
+    a, b = read_arrays(cache_dir), read_arrays(out)
+    assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, committed, extract_args, read_arrays, run_cli, sample_rows, start_cli, write_jsonl)
+from conftest import REPO, committed, extract_args, read_arrays, run_cli, sample_rows, start_cli, write_jsonl
 from dflash.cache import read_manifest
 
 pytestmark = pytest.mark.slow

@@ -124,7 +124,8 @@ def test_spec_rewinds_every_family(tmp_path, model_type):
         for n in (5, 40):  # a prompt shorter than the convolution / window / top-k, and one longer
             prompt = torch.randint(10, model.config.vocab_size, (n,)).tolist()
             answer = target_greedy(target, prompt, 30, set())
-            tokens, accepted = speculative_greedy(target, OracleDrafter(target, prompt, answer, right), prompt, 30, set())
+            oracle = OracleDrafter(target, prompt, answer, right)
+            tokens, accepted = speculative_greedy(target, oracle, prompt, 30, set())
             assert tokens == answer, (right, n)
             assert all(a == right for a in accepted[:-1]), accepted
 

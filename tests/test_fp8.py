@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY_HIDDEN, extract_args, read_arrays, rel_err, run_in_process
+from conftest import REPO, TINY_HIDDEN, extract_args, fill_disk_after, read_arrays, rel_err, run_in_process
 from dflash import fp8
 from dflash.cache import Cache, info, key_differences, read_manifest, verify
 from dflash.naive import fp8_round_trip
@@ -173,6 +173,24 @@ def test_convert_gives_the_fp8_extraction_and_leaves_the_source_alone(caches, tm
     assert again.exit_code == 0 and "converted 0 shards" in again.output
 
 
+def test_a_full_disk_during_convert_is_one_line_and_the_same_command_resumes(caches, tmp_path, monkeypatch):
+    bf16, f8 = caches
+    out = tmp_path / "conv"
+    fill_disk_after(monkeypatch, 20)
+    result = run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)])
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    done, total = len(list((out / "commits").glob("*.json"))), read_manifest(out)["num_shards"]
+    assert len(errors) == 1 and 0 < done < total
+    assert errors[0].startswith(f"error: {out}: no space left on the device (writing {out}/")
+    assert errors[0].endswith(f"{done} of {total} shards are committed and intact; free some space and run the "
+                              f"same command again: it resumes")
+    monkeypatch.undo()
+    assert run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)]).exit_code == 0
+    got, want = read_arrays(out), read_arrays(f8)
+    assert all(np.array_equal(got[name], want[name]) for name in want)
+
+
 @pytest.mark.parametrize("case,message", [
     ("other_layout", r"--out .* holds a cache with another key .*scale_block \(128 in the cache, 256 now\)"),
     ("fp8_source", r"already an fp8 cache"),
@@ -273,9 +291,9 @@ def test_the_step_on_fp8_inputs_matches_the_step_on_bf16_states(caches):
     """The same shard through the training step: from the fp8 cache (dequantised in the step) and from the
     bf16 cache: loss and gradients agree to fp8's precision."""
     from dflash.config import TrainConfig
+    from dflash.drafter import Drafter
     from dflash.loader import ShardLoader
     from dflash.train import LossModule, drafter_config
-    from dflash.drafter import Drafter
 
     bf16, f8 = caches
     results = {}

@@ -12,8 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (REPO, bf16_bits_to_float, extract_args, read_arrays, rel_err, run_in_process, sample_rows,
-                      write_jsonl)
+from conftest import (
+    REPO,
+    bf16_bits_to_float,
+    extract_args,
+    read_arrays,
+    rel_err,
+    run_in_process,
+    sample_rows,
+    write_jsonl,
+)
 from families import tiny_target
 
 pytestmark = pytest.mark.gpu

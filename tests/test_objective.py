@@ -10,15 +10,27 @@ import torch.nn.functional as F
 from conftest import rel_err
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.naive import naive_loss
-from dflash.objective import (block_attention, context_mask, default_gamma, dense_mask, drafter_loss,
-                              head_cross_entropy, layout, make_blocks, sample_anchors, sdpa_attention, valid_anchors)
+from dflash.objective import (
+    block_attention,
+    context_mask,
+    default_gamma,
+    dense_mask,
+    drafter_loss,
+    head_cross_entropy,
+    layout,
+    make_blocks,
+    sample_anchors,
+    sdpa_attention,
+    valid_anchors,
+)
 
 V, H, B = 300, 64, 8
 
 
-def tiny_drafter(seed=0, layers=(1, 3)) -> Drafter:
+def tiny_drafter(seed=0, layers=(1, 3), block_size=B, gqa=2) -> Drafter:
+    """4 query heads sharing key/value heads in groups of `gqa`."""
     cfg = DrafterConfig(num_layers=2, hidden_size=H, intermediate_size=96, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, block_size=B, target_layer_ids=list(layers),
+                        num_key_value_heads=4 // gqa, head_dim=16, block_size=block_size, target_layer_ids=list(layers),
                         mask_token_id=V - 1, vocab_size=V, rope_theta=10000.0)
     g = torch.Generator().manual_seed(seed)
     model = Drafter(cfg, torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2)
@@ -44,13 +56,25 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+# shard case -> (document lengths, anchors requested)
+SHARDS = {"packed": ((30, 25, 20), 10), "more anchors than valid positions": ((30, 25, 20), 90),
+          "two-token documents": ((2, 2, 30, 2, 25, 2), 64)}
+
+
+@pytest.mark.parametrize("shard_case", list(SHARDS))
 @pytest.mark.parametrize("labels_from", ["target", "data"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fast_loss_and_gradients_match_the_naive_reference(seed, labels_from):
-    model, shard = tiny_drafter(seed), random_shard(seed)
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_fast_loss_and_gradients_match_the_naive_reference(block_size, gqa, labels_from, shard_case):
+    doc_lens, num_anchors = SHARDS[shard_case]
+    seed = block_size + gqa
+    model, shard = tiny_drafter(seed, block_size=block_size, gqa=gqa), random_shard(seed, doc_lens=doc_lens)
+    if shard_case == "two-token documents":
+        shard["loss_mask"][: sum(doc_lens)] = 1  # every position trained: the 2-token documents' anchors are valid
     gamma = 3.0
     gen = torch.Generator().manual_seed(seed)
-    out = drafter_loss(model, **shard, num_anchors=10, gamma=gamma, labels_from=labels_from, ce_chunk=7, generator=gen)
+    out = drafter_loss(model, **shard, num_anchors=num_anchors, gamma=gamma, labels_from=labels_from, ce_chunk=7,
+                       generator=gen)
     out.loss.backward()
     fast = grads(model)
     model.zero_grad()
@@ -58,6 +82,10 @@ def test_fast_loss_and_gradients_match_the_naive_reference(seed, labels_from):
     ref.backward()
     slow = grads(model)
     assert out.anchor_ok.sum() >= 8, "the test must exercise real anchors"
+    if shard_case == "more anchors than valid positions":
+        assert not out.anchor_ok.all(), "some anchor slots must stay unused"
+    if shard_case == "two-token documents":
+        assert {0, 2, 34}.issubset(out.anchors[out.anchor_ok].tolist()), "each 2-token document has one anchor"
     assert rel_err(out.loss.detach(), ref.detach()) < 1e-5
     for name in fast:
         assert rel_err(fast[name], slow[name]) < 1e-4, name

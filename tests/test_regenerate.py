@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import time
 
@@ -63,3 +65,28 @@ def test_sigkill_then_resume_gives_the_same_file(tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr
     other = run_cli(args + ["--out", str(out), "--max-new-tokens", "30"])
     assert other.returncode == 1 and "other settings (max_new_tokens)" in other.stderr
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_resumes(tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(20, 0))
+    args = ["regenerate", "--target", str(TINY_TARGET), "--data", str(data), "--max-new-tokens", "4",
+            "--batch-size", "1", "--device", "cpu"]  # chunks of 8 rows
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert run_in_process(args + ["--out", str(ref)]).exit_code == 0
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    result = run_in_process(args + ["--out", str(out)])
+    assert result.exit_code == 1, result.output
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: {out}: no space left on the device; its first 8 rows are written; free some space "
+                      f"and run the same command again: it resumes"]
+    monkeypatch.setattr(os, "fsync", real)
+    assert run_in_process(args + ["--out", str(out)]).exit_code == 0
+    assert out.read_bytes() == ref.read_bytes()

@@ -12,7 +12,7 @@ import torch
 from dflash import checkpoint
 from dflash.cache import Cache
 from dflash.loader import ShardLoader
-from dflash.train import truncate_metrics
+from dflash.metrics import truncate_metrics
 
 
 def _model_and_optimizer(lr):

@@ -8,7 +8,7 @@ from dflash.target import Target, default_layer_ids, resolve_target
 
 
 def test_default_layer_ids_match_the_reference():
-    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, DESIGN.md
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, as the reference chooses
     assert default_layer_ids(28, 1) == [14]
     assert default_layer_ids(6, 3) == [1, 2, 3]
     with pytest.raises(DflashError, match="too few layers"):

@@ -3,7 +3,9 @@ refuses mismatches early."""
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -13,9 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, rel_err, run_cli, run_in_process, start_cli
+from dflash import checkpoint
 
 PRESET = str(REPO / "configs" / "tiny.toml")
 
@@ -31,7 +35,7 @@ def tiny_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, tiny_cache) -> Path:
-    """The issue's command: 120 steps, a checkpoint every 20."""
+    """120 steps of the tiny preset, a checkpoint every 20."""
     run = tmp_path_factory.mktemp("runs") / "tiny"
     result = run_in_process(["train", "--config", PRESET, "--cache", str(tiny_cache), "--out", str(run),
                              "--max-steps", "120", "--save-every", "20", "--device", "cpu"])
@@ -253,3 +257,64 @@ def test_eval_refuses_a_drafter_of_another_target(trained_run, tmp_path):
     assert run_in_process(extract_args(data, other, target=target, layers="0,1,2")).exit_code == 0
     out = run_in_process(["eval", "--drafter", str(trained_run), "--cache", str(other), "--device", "cpu"])
     assert out.exit_code == 1 and "do not match the cache's target (hidden 64" in out.output
+
+
+def _train_args(cache, run, *extra):
+    return ["train", "--config", PRESET, "--cache", str(cache), "--out", str(run), "--device", "cpu",
+            "--holdout-shards", "0", *extra]
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, tiny_cache,
+                                                                                      monkeypatch):
+    """A NaN injected into step 7's loss: the run stops at the next sync point (step 8's save) with one line
+    naming step 7, saves nothing, and the checkpoint of step 4 stays the latest; the same command resumes."""
+    import dflash.train as trainlib
+
+    real, calls = trainlib.drafter_loss, []
+
+    def nan_at_step_7(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 7:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(trainlib, "drafter_loss", nan_at_step_7)
+    run = tmp_path / "run"
+    result = run_in_process(_train_args(tiny_cache, run, "--max-steps", "10", "--save-every", "4", "--log-every", "5"))
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 7: the loss (nan) or the gradient norm"), errors
+    assert "its last good checkpoint, step-00000004, is intact" in errors[0]
+    assert checkpoint.latest(run).name == "step-00000004"
+    assert not list((run / "checkpoints").glob("*08"))
+    assert all(torch.isfinite(w).all() for w in load_file(str(checkpoint.latest(run) / "model.safetensors")).values())
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [5] and math.isfinite(lines[0]["grad_norm"]) and lines[0]["grad_norm"] > 0
+    monkeypatch.setattr(trainlib, "drafter_loss", real)
+    again = run_in_process(_train_args(tiny_cache, run, "--max-steps", "10", "--save-every", "4", "--log-every", "5"))
+    assert again.exit_code == 0 and "resuming" in again.output and checkpoint.latest(run).name == "step-00000010"
+
+
+def test_a_full_disk_while_saving_keeps_the_last_checkpoint(tmp_path, tiny_cache, monkeypatch):
+    """ENOSPC in the second checkpoint's first file: one line naming the run and the intact checkpoint;
+    no partial folder is left, and the latest checkpoint is still the first."""
+    real, calls = checkpoint.save_file, []
+
+    def save_file(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 4:  # a checkpoint is 3 safetensors files
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+        return real(tensors, filename, metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    run = tmp_path / "run"
+    result = run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2"))
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1
+    assert errors[0] == (f"error: {run}: no space left on the device (writing {calls[3]}); its last good checkpoint, "
+                         f"step-00000002, is intact; free some space and run the same command again: it resumes "
+                         f"from there")
+    assert checkpoint.latest(run).name == "step-00000002"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-00000002"]
