@@ -282,7 +282,7 @@ def part_gdn(args, res, work):
     make_data(work / "gdn.jsonl", args.gdn_tokens, seed=1)
     gcfg = ExtractConfig(target=str(work / "gdn"), data=[str(work / "gdn.jsonl")], out=str(work / "gdn-fla"),
                          layers=[0, 1, 3], token_budget=8192, max_docs=64, batch_size=16, batch_tokens=32768,
-                         device=DEVICE)
+                         device=DEVICE, storage=args.storage)
     res["gdn_backend_here"] = linear_attention_backend()
     res["gdn_fla_cold"] = timed_extract(gcfg)  # the process's first: every compile and autotune counted
     res["gdn_fla_cold"]["triton"] = events.take() if events else {}
@@ -322,7 +322,12 @@ def part_gdn(args, res, work):
 
 
 def bf16_states(cache: Cache, shard: int) -> torch.Tensor:
-    return fp8.bf16_from_bits(cache.read_shard(shard).hidden).float()
+    """A shard's states as fp32, whatever the storage."""
+    sh = cache.read_shard(shard)
+    if sh.hidden_scale is None:
+        return fp8.bf16_from_bits(sh.hidden).float()
+    return fp8.dequantize(torch.from_numpy(sh.hidden), fp8.bf16_from_bits(sh.hidden_scale), cache.scale_block,
+                          torch.float32)
 
 
 def active_flops_per_token(config, width: int) -> float:
@@ -393,6 +398,7 @@ def main():
     p.add_argument("--tokens", type=int, default=1_000_000)
     p.add_argument("--gdn-tokens", type=int, default=2_000_000)
     p.add_argument("--moe-tokens", type=int, default=1_000_000)
+    p.add_argument("--storage", default="bf16", help="gdn part: the cache storage (fp8 halves the writer's bytes)")
     p.add_argument("--fla-dir", default="/tmp/fla",
                    help="the folder fla was installed into (hidden from the torch run)")
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script, measures nothing")

@@ -50,6 +50,8 @@ class RewindableCache:
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
         self._inputs: dict[int, tuple] = {}
         self._saved: dict[int, dict] = {}
+        self.device = target.device
+        self.replay_s = 0.0  # time spent rolling linear-attention layers back
         self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True)
                        for i, m in self.mixers.items()]
 
@@ -72,11 +74,14 @@ class RewindableCache:
             elif keep == verified:
                 layer.crop(0)  # trims the recorded convolution inputs back to the kernel's width
             else:
+                t0 = time.perf_counter()
                 layer.crop(-verified)  # the convolution state before the block
                 for s, x in self._saved[i].items():
                     layer.recurrent_states[s].copy_(x)
                 args, kwargs = self._inputs[i]
                 self.mixers[i](*_first_tokens(args, verified, keep), **_first_tokens(kwargs, verified, keep))
+                _sync(self.device)  # host sync for the timing (the decode loop syncs every cycle anyway)
+                self.replay_s += time.perf_counter() - t0
         self._inputs.clear()
 
     def close(self) -> None:
@@ -135,13 +140,16 @@ def target_greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]
 
 @torch.inference_mode()
 def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_new: int,
-                       eos: set[int]) -> tuple[list[int], list[int]]:
-    """(tokens, accepted draft tokens per cycle)."""
+                       eos: set[int], stats: dict | None = None) -> tuple[list[int], list[int]]:
+    """(tokens, accepted draft tokens per cycle); `stats["replay_s"]` adds the time spent rolling
+    linear-attention layers back."""
     cache = RewindableCache(target)
     try:
         out, accepted = _decode(target, drafter, cache, prompt, max_new, eos)
     finally:
         cache.close()
+    if stats is not None:
+        stats["replay_s"] = stats.get("replay_s", 0.0) + cache.replay_s
     out = _cut(out, max_new, eos)
     if accepted:  # the last cycle may run past max_new or an end token: count only what it kept
         accepted[-1] = len(out) - 2 - sum(a + 1 for a in accepted[:-1])
@@ -256,11 +264,11 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     target_greedy(target, prompts[0][:8], 4, eos)
     t_spec = t_base = 0.0
     n_spec = n_base = 0
-    accepted, mismatches, ngram, outputs = [], [], [], []
+    accepted, mismatches, ngram, outputs, stats = [], [], [], [], {"replay_s": 0.0}
     for i, prompt in enumerate(prompts):
         _sync(dev)
         t0 = time.perf_counter()
-        spec, acc = speculative_greedy(target, drafter, prompt, max_new, eos)
+        spec, acc = speculative_greedy(target, drafter, prompt, max_new, eos, stats)
         _sync(dev)
         t1 = time.perf_counter()
         base = target_greedy(target, prompt, max_new, eos)
@@ -281,6 +289,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
             "ngram_tau": sum(a + 1 for a in ngram) / max(len(ngram), 1),
               "speedup": (n_spec / t_spec) / (n_base / t_base), "per_position": per_position,
               "spec_tokens_per_s": n_spec / t_spec, "target_tokens_per_s": n_base / t_base,
+              "linear_attention_replay_share": stats["replay_s"] / t_spec,
               "prompts": len(prompts), "new_tokens": n_spec, "cycles": len(accepted), "mismatched_prompts": mismatches,
               "block_size": B}
 

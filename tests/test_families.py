@@ -125,9 +125,14 @@ def test_spec_rewinds_every_family(tmp_path, model_type):
             prompt = torch.randint(10, model.config.vocab_size, (n,)).tolist()
             answer = target_greedy(target, prompt, 30, set())
             oracle = OracleDrafter(target, prompt, answer, right)
-            tokens, accepted = speculative_greedy(target, oracle, prompt, 30, set())
+            stats = {}
+            tokens, accepted = speculative_greedy(target, oracle, prompt, 30, set(), stats)
             assert tokens == answer, (right, n)
             assert all(a == right for a in accepted[:-1]), accepted
+            if model_type not in HYBRIDS:  # only linear attention is rolled back by replaying
+                assert stats["replay_s"] == 0, stats
+            elif right < B - 1:
+                assert stats["replay_s"] > 0, stats
 
 
 def test_device_map_capture_equals_one_device(tmp_path, data):
