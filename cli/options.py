@@ -1,7 +1,7 @@
 """Click options generated from the config dataclasses (`dflash.config`): one option per field, named after
 it (`token_budget` -> `--token-budget`), typed by its hint (`Literal[...]` -> a choice, `list[int]` -> a
-comma list, `list[str]` -> a repeatable option, `bool` -> a flag), its docstring as the help text and its
-default as the shown default.
+comma list, `list[str]` -> a repeatable option, `bool` -> a flag; `--x/--no-x` when it is on by default),
+its docstring as the help text and its default as the shown default.
 
 Every generated option defaults to None, so that only the options given on the command line override the
 preset's table (`--config`); the dataclass then fills in the rest.
@@ -39,7 +39,7 @@ def config_options(cls: type, section: str):
     def decorate(fn):
         docs = field_docs(cls)
         for f in reversed(dataclasses.fields(cls)):  # click lists options in the order they are declared
-            fn = click.option(option(f.name), **_option_kwargs(f, type_hints(cls)[f.name], docs.get(f.name, "")))(fn)
+            fn = click.option(_decl(f), **_option_kwargs(f, type_hints(cls)[f.name], docs.get(f.name, "")))(fn)
         return click.option("--config", "preset", type=click.Path(dir_okay=False),
                             help=f"TOML preset; its [{section}] table gives defaults, options override it.")(fn)
 
@@ -50,7 +50,13 @@ def field_option(cls: type, name: str):
     """One field of `cls` as an option of a command that takes no preset: the field's default is the option's."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     kwargs = _option_kwargs(f, type_hints(cls)[name], field_docs(cls).get(name, ""))
-    return click.option(option(name), **{**kwargs, "default": f.default})
+    return click.option(_decl(f), **{**kwargs, "default": f.default})
+
+
+def _decl(f: dataclasses.Field) -> str:
+    """The option's name; a flag that is on by default comes with its off switch: `--x/--no-x`."""
+    name = option(f.name)
+    return f"{name}/--no-{name[2:]}" if f.default is True else name
 
 
 def _option_kwargs(f: dataclasses.Field, hint, doc: str) -> dict:

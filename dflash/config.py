@@ -191,6 +191,10 @@ class TrainConfig(_Checked):
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
     compile: Literal["auto", "yes", "no"] = "auto"
     """`auto` (on GPU), `yes`, `no`: torch.compile(mode="reduce-overhead") of the step."""
+    compile_cache: bool = True
+    """Keep the compiled step's artifacts in dflash's user cache folder ($DFLASH_CACHE_DIR, default
+    ~/.cache/dflash) and load them on start: a later run of the same step (drafter, shapes, code, torch,
+    GPU) starts warm. `--no-compile-cache`: every run compiles cold."""
     ce_chunk: int = 1024
     """Rows of logits computed at once by the chunked cross-entropy."""
     prefetch: int = 3
@@ -201,8 +205,8 @@ class TrainConfig(_Checked):
     """A shard failing its checksums: `fail` (exit, naming it) or `skip` it."""
 
     # fields that change only how a run executes, not what it computes: free to differ on resume
-    RUNTIME_FIELDS = ("save_every", "log_every", "eval_every", "eval_shards", "device", "compile", "prefetch", "follow",
-                      "on_corrupt", "ce_chunk")
+    RUNTIME_FIELDS = ("save_every", "log_every", "eval_every", "eval_shards", "device", "compile", "compile_cache",
+                      "prefetch", "follow", "on_corrupt", "ce_chunk")
 
     def resolved_gamma(self) -> float:
         from dflash.objective import default_gamma

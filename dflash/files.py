@@ -13,15 +13,19 @@ from typing import Callable
 from dflash.errors import DflashError
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text`: a reader (or a crash) sees the old file or the new one, never half of one."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: a reader (or a crash) sees the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # only left behind when the write failed
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
 
 
 def write_json_atomic(path: Path, obj, indent: int | None = 2) -> None:

@@ -1,6 +1,6 @@
 """The training log: what `dflash train` measures and writes to RUN/metrics.jsonl, a JSON line per logged
 step (loss, per-slot accuracy, gradient norm, lr, tokens/s, input wait; on GPU MFU, recompiles, CUDA-graph
-skips) and per evaluation (tau).
+skips), per evaluation (tau) and, for a compiled step, one after its first step (cold or warm, seconds).
 
 Step outputs are summed on the device and read back only when a line is due (`log`): with the checkpoint
 saves, the loop's only host syncs. A non-finite loss or gradient norm is remembered on the device too, with
@@ -146,6 +146,10 @@ class Metrics:
         self._reset()
         self._write(record)
         return record
+
+    def compiled(self, step: int, record: dict) -> None:
+        """How the step compiled (`StepArtifacts.finish`'s record) at the first step of this process."""
+        self._write({"step": step, **record})
 
     def tau(self, step: int, result: dict) -> None:
         self._write({"step": step, "tau": result["tau"], "per_slot": result["per_slot"]})

@@ -8,6 +8,9 @@ after the first step (counted, logged). On CPU the same step runs eagerly (atten
     train = build (cache, drafter shape, preflight checks, run folder, drafter, optimizer, the step wrapped
             in DDP and compiled, once) -> resume (the latest checkpoint, else --init-from) -> loop (the
             steps of this rank's shard schedule; `Metrics` logs them; checkpoints; evaluations)
+
+A compiled step starts warm when an earlier run compiled the same one: its artifacts are loaded before
+the first step and kept after it (`dflash.compile_cache`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import checkpoint, fp8
+from dflash import checkpoint, drafter as drafter_module, fp8, objective
 from dflash.cache import TARGET_CONFIG_FILE, Cache
+from dflash.compile_cache import StepArtifacts, source_hash
 from dflash.config import TrainConfig
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
@@ -36,6 +40,8 @@ from dflash.loader import ShardLoader, epoch_order
 from dflash.metrics import Metrics, StepResult
 from dflash.objective import drafter_loss
 from dflash.target import resolve_device
+
+COMPILE_OPTIONS = {"mode": "reduce-overhead", "dynamic": False}  # CUDA graphs, fixed shapes
 
 # -- setup --------------------------------------------------------------------------------------------
 
@@ -198,6 +204,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked
     compiled: bool
+    artifacts: StepArtifacts | None = None  # the compiled step's artifacts (None: not compiled)
 
 
 def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
@@ -221,9 +228,11 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
     module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)
     loss_fn, compiled = wrap_step(module, cfg, d, device)
+    artifacts = StepArtifacts(step_fields(module, cache, d), device, enabled=cfg.compile_cache,
+                              save=d.is_main) if compiled else None
     return Setup(cfg=cfg, d=d, device=device, run=Path(cfg.out), cache=cache, dcfg=dcfg, train_shards=train_shards,
                  holdout=holdout, total=cfg.max_steps or cfg.epochs * (len(train_shards) // d.world),
-                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled)
+                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled, artifacts=artifacts)
 
 
 def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> tuple[list[int], list[int]]:
@@ -253,7 +262,22 @@ def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.devic
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
                                                            broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
-    return (torch.compile(module, mode="reduce-overhead", dynamic=False) if compiled else module), compiled
+    return (torch.compile(module, **COMPILE_OPTIONS) if compiled else module), compiled
+
+
+def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
+    """What the compiled step's graphs depend on besides torch and the device (the compile artifacts' key):
+    the drafter, the inputs' shapes and dtypes, the loss's constants, how it is compiled and wrapped, and
+    the source of the code it traces."""
+    m, cfg = cache.manifest, module.cfg
+    # which target layers feed the drafter does not change its graph, only how many do (L)
+    drafter = {k: v for k, v in module.drafter.cfg.to_dict().items() if k != "target_layer_ids"}
+    return {"drafter": drafter, "T": cache.token_budget, "D": m["max_docs"], "L": len(cache.layer_ids),
+            "H": m["hidden_size"], "A": cfg.num_anchors, "ce_chunk": cfg.ce_chunk, "gamma": module.gamma,
+            "labels": cfg.labels, "storage": m["storage_dtype"], "scale_block": module.scale_block,
+            "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
+            "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS, "world": d.world,
+            "code": source_hash(drafter_module, objective, fp8, LossModule)}
 
 
 def resume(s: Setup, log) -> int:
@@ -294,9 +318,13 @@ def loop(s: Setup, start: int, log) -> dict:
                          cfg.follow, cfg.on_corrupt, log)
     metrics = Metrics(run / "metrics.jsonl" if d.is_main else None, start, s.dcfg, s.cache.token_budget,
                       cfg.num_anchors, d.world, s.device)
+    if s.artifacts is not None:  # every rank loads them (each compiles), rank 0 alone keeps them
+        log(f"compiling the training step ({s.artifacts.load(log)}) …")
     bar = tqdm(total=s.total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
                dynamic_ncols=True)
+    say = bar.write if d.is_main else log  # a line above the progress bar
     step = saved = start
+    compile_record = {}
 
     def save(at: int) -> int:
         metrics.check_finite(last_good(run))  # nothing non-finite is ever saved
@@ -322,6 +350,9 @@ def loop(s: Setup, start: int, log) -> dict:
             metrics.add(out, step)
             if step == start + 1:
                 metrics.first_step(t0)
+                if s.artifacts is not None:
+                    compile_record = s.artifacts.finish(metrics.first_step_s, say)
+                    metrics.compiled(step, compile_record)
             bar.update(1)
             if step % cfg.log_every == 0 or step == s.total:
                 record = metrics.log(step, lr_at(cfg, step - 1, s.total), (step - 1) * d.world // len(s.train_shards),
@@ -344,6 +375,7 @@ def loop(s: Setup, start: int, log) -> dict:
         + (f"; first step {metrics.first_step_s:.1f}s" if metrics.first_step_s else "")
         + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else ""))
     return {"steps": step, "resumed_at": start, "first_step_s": metrics.first_step_s, "recompiles": metrics.recompiles,
+            "compile": compile_record.get("compile"),
             "cudagraph_skips": metrics.cudagraph_skips() if s.compiled else 0,
             "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
 

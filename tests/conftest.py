@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_dir(tmp_path_factory) -> Path:
+    """Compiled test runs keep their compile artifacts in a folder of the session, not in the user's cache."""
+    path = tmp_path_factory.mktemp("dflash-user-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE_DIR", str(path))
+        yield path
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

@@ -1,0 +1,191 @@
+"""Compile artifacts of the training step, kept between runs: a run whose step has the same shapes, drafter,
+code, torch and device as an earlier one loads what that run compiled and starts warm.
+
+torch keeps them (`torch.compiler.save_cache_artifacts`: Inductor's FX graphs with their Triton kernels,
+AOT autograd's graphs, autotuning results) as one blob per process; here one blob per key, in
+`$DFLASH_CACHE_DIR/compile/<key>.bin` (default `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`). The key
+hashes everything that changes the artifacts; the file's header repeats the key's fields and the payload's
+sha256, so a file that is corrupt, cut short or for another key is named and ignored before torch sees it.
+Nothing here stops a run: an unreadable or unwritable cache is a one-line warning and the step compiles
+cold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from dflash.files import write_bytes_atomic
+
+MAGIC = b"dflash compile artifacts\n"
+FORMAT = 1
+
+
+def cache_root() -> Path:
+    """dflash's user cache folder: $DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash."""
+    if os.environ.get("DFLASH_CACHE_DIR"):
+        return Path(os.environ["DFLASH_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dflash"
+
+
+def source_hash(*objects) -> str:
+    """sha256 of the source of modules, classes or functions: an edited dflash never loads stale graphs."""
+    h = hashlib.sha256()
+    for obj in objects:
+        h.update(inspect.getsource(obj).encode())
+    return h.hexdigest()[:16]
+
+
+def environment(device: torch.device) -> dict:
+    """What the artifacts depend on outside dflash: Python, torch, Triton and the device they compiled for."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    env = {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": torch.__version__,
+           "triton": triton_version, "machine": platform.machine()}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        env["device"] = {"name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}",
+                         "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+    else:
+        env["device"] = device.type
+    return env
+
+
+def cache_counts() -> dict[str, int]:
+    """Inductor's graph-cache hits and misses so far in this process (a miss is a graph compiled anew)."""
+    from torch._dynamo.utils import counters
+
+    return {"hits": counters["inductor"].get("fxgraph_cache_hit", 0),
+            "misses": counters["inductor"].get("fxgraph_cache_miss", 0)}
+
+
+class StepArtifacts:
+    """The compile artifacts of one step shape: `load()` before its first call says cold or warm, `finish()`
+    after it reports and keeps what was compiled. `enabled` False: always cold, nothing read or written;
+    `save` False (DDP ranks but the first): read, never written."""
+
+    def __init__(self, fields: dict, device: torch.device, *, enabled: bool = True, save: bool = True,
+                 root: Path | None = None):
+        # as JSON has them (a tuple is a list): what a file's header is compared with
+        self.fields = json.loads(json.dumps({"format": FORMAT, **environment(device), **fields}, default=str))
+        self.key = hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()[:32]
+        self.path = (root or cache_root()) / "compile" / f"{self.key}.bin"
+        self.enabled, self.may_save, self.log = enabled, save, print
+        self.state = "cold"
+        self._before = cache_counts()
+
+    def load(self, log=print) -> str:
+        """Hand this key's artifacts to torch, if there are good ones: "warm", else "cold"."""
+        self.log, self._before = log, cache_counts()
+        if not self.enabled or not self._supported():
+            return self.state
+        payload = self._read()
+        if payload is None:
+            return self.state
+        try:
+            info = torch.compiler.load_cache_artifacts(payload)
+        except Exception as e:  # torch's own check failed: never worth stopping a run
+            info = None
+            self.log(f"warning: torch could not load the compile artifacts in {self.path} "
+                     f"({type(e).__name__}: {e}); compiling cold")
+        else:
+            if info is None:
+                self.log(f"warning: torch could not read the compile artifacts in {self.path}; compiling cold")
+        self.state = "warm" if info is not None else "cold"
+        return self.state
+
+    def finish(self, seconds: float, log=None) -> dict:
+        """After the first step: say how long it compiled, keep the artifacts if anything was compiled anew
+        (a cold run, or a warm one torch still missed on). Returns the record for the metrics log."""
+        log = log or self.log
+        now = cache_counts()
+        misses = now["misses"] - self._before["misses"]
+        how = self.state
+        if self.state == "warm" and misses:
+            how = f"warm, {misses} graphs compiled anew"
+        kept = self.enabled and self.may_save and (self.state == "cold" or misses) and self._supported() \
+            and self._save(log)
+        log(f"compiled the training step ({how}) in {seconds:.1f}s" + (f"; kept for the next run: {self.path}"
+                                                                       if kept else ""))
+        return {"compile": self.state, "compile_s": round(seconds, 3),
+                "compile_cache_hits": now["hits"] - self._before["hits"], "compile_cache_misses": misses}
+
+    # -- the file -------------------------------------------------------------------------------------------
+
+    def _supported(self) -> bool:
+        if hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts"):
+            return True
+        if self.enabled:
+            self.log(f"note: torch {torch.__version__} cannot keep compile artifacts "
+                     f"(no torch.compiler.save_cache_artifacts): every run compiles cold")
+            self.enabled = False  # say it once
+        return False
+
+    def _read(self) -> bytes | None:
+        """The payload of this key's file, or None (absent: silently; bad: with a warning naming why)."""
+        try:
+            blob = self.path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):  # none kept yet (a bad folder is said when writing)
+            return None
+        except OSError as e:
+            self.log(f"warning: cannot read {self.path} ({e.strerror or e}); compiling cold")
+            return None
+        problem, payload = self._check(blob)
+        if problem:
+            self.log(f"warning: ignoring the compile artifacts in {self.path}: {problem}; compiling cold")
+            return None
+        return payload
+
+    def _check(self, blob: bytes) -> tuple[str | None, bytes]:
+        """(what is wrong with a file's bytes, or None; its payload)."""
+        if not blob.startswith(MAGIC):
+            return "not a dflash compile-artifacts file", b""
+        header_line, sep, payload = blob[len(MAGIC):].partition(b"\n")
+        try:
+            header = json.loads(header_line) if sep else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or not isinstance(header.get("fields"), dict):
+            return "its header is unreadable", b""
+        theirs = header["fields"]
+        differ = sorted(k for k in set(self.fields) | set(theirs) if self.fields.get(k) != theirs.get(k))
+        if differ:
+            return f"made for another step (differs in {', '.join(differ)})", b""
+        if len(payload) != header.get("payload_bytes") or \
+                hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+            return f"the payload is corrupt or cut short ({len(payload)} of {header.get('payload_bytes')} bytes)", b""
+        return None, payload
+
+    def _save(self, log) -> bool:
+        """Write what torch compiled in this process under this key; False (with a warning) if it cannot."""
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+        except Exception as e:
+            log(f"warning: torch could not serialise the compile artifacts ({type(e).__name__}: {e}); "
+                f"the next run compiles cold too")
+            return False
+        if saved is None:
+            return False  # nothing went through torch's caches
+        payload = saved[0]
+        header = {"key": self.key, "fields": self.fields, "payload_bytes": len(payload),
+                  "payload_sha256": hashlib.sha256(payload).hexdigest()}
+        blob = MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(self.path, blob)
+        except OSError as e:
+            log(f"warning: cannot keep the compile artifacts in {self.path} ({e.strerror or e}); the next run "
+                f"compiles cold too (set DFLASH_CACHE_DIR to a writable folder)")
+            return False
+        return True
