@@ -42,7 +42,7 @@ from dflash.target import Target, load_target  # noqa: E402
 
 TINY_TOKENIZER = REPO / "data" / "tiny-target"
 DEVICE = "cuda"
-PEAK_FLOPS = 811e12  # bf16 matmul measured on the H200 (the MFU of bench/train.py uses the same)
+PEAK_FLOPS = 989.4e12  # the H200's datasheet bf16 peak, as `dflash train`'s MFU (dflash.metrics)
 MOE_SHAPES = {
     "qwen3-30b-a3b": {"model_type": "qwen3_moe", "config": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
