@@ -55,12 +55,12 @@ def log(*a):
 
 
 def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarray], T: int, D: int, dims: dict,
-                    device: str) -> None:
+                    device: str, layers: list[int] = LAYERS) -> None:
     """A cache with random states (unit-variance bf16) and random tokens, written by the real cache code."""
-    H, V, L = dims["hidden_size"], dims["vocab_size"], len(LAYERS)
+    H, V, L = dims["hidden_size"], dims["vocab_size"], len(layers)
     plan = plan_shards(np.arange(len(doc_lens)), doc_lens, T, D)
     manifest = {"format_version": cachelib.FORMAT_VERSION, "cache_key": f"bench-{T}-{len(doc_lens)}",
-                "layer_ids": LAYERS, "hidden_size": H, "vocab_size": V, "token_budget": T, "max_docs": D,
+                "layer_ids": layers, "hidden_size": H, "vocab_size": V, "token_budget": T, "max_docs": D,
                 "num_shards": plan.num_shards, "pad_id": 0, "storage_dtype": "bfloat16", "compute_dtype": "bfloat16",
                 "dflash_version": "bench", "target": {"name": "synthetic Qwen3-8B", "path": "", "model_type": "qwen3",
                                                       "num_layers": dims["num_hidden_layers"]},

@@ -9,6 +9,7 @@ target's plain greedy decoding: `lossless` checks it prompt by prompt.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -32,11 +33,13 @@ def _argmax_head(target: Target, h: torch.Tensor) -> torch.Tensor:
 class RewindableCache:
     """The target's cache while decoding speculatively: after each verification it keeps only the accepted
     tokens. Attention layers crop their keys and values.
-    Linear-attention (GatedDeltaNet) layers cannot be cropped: their recurrent state is put back as it was
-    before the block, and their mixer replays the accepted tokens from the inputs it got in the
-    verification (a pre-hook keeps them). A token's input to a layer does not depend on the tokens after
-    it, so these are the inputs a forward of the accepted tokens alone would give, and the mixer alone
-    (not the whole target) runs again."""
+    Linear-attention (GatedDeltaNet) layers keep one recurrent state, not one per token. Where transformers
+    can record the state after each token of a forward (`activate_past_recording(recurrent_states_to_keep=)`,
+    from 5.25), the verification records them and the crop restores the one after the accepted tokens.
+    Before that release, the state is put back as it was before the block and the layer's mixer replays the
+    accepted tokens from the inputs it got in the verification (a pre-hook keeps them): a token's input to a
+    layer does not depend on the tokens after it, so these are the inputs a forward of the accepted tokens
+    alone would give, and the mixer alone (not the whole target) runs again."""
 
     def __init__(self, target: Target):
         from transformers import DynamicCache
@@ -46,30 +49,37 @@ class RewindableCache:
         for i, layer in enumerate(self.cache.layers):  # sliding-window layers keep every key (the attention
             if type(layer) is DynamicSlidingWindowLayer:  # mask applies the window), so a crop is exact in
                 self.cache.layers[i] = DynamicLayer()  # every release (5.17's recorded window mis-sized its mask)
-        self.cache.activate_past_recording()  # linear-attention layers keep the convolution inputs a crop needs
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
+        self.native = records_recurrent_states(self.cache)
+        # linear-attention layers keep the convolution inputs (and, natively, the recurrent states) a crop needs
+        self.cache.activate_past_recording(**({"recurrent_states_to_keep": 0} if self.native else {}))
         self._inputs: dict[int, tuple] = {}
         self._saved: dict[int, dict] = {}
         self.device = target.device
-        self.replay_s = 0.0  # time spent rolling linear-attention layers back
-        self._hooks = [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True)
-                       for i, m in self.mixers.items()]
+        self.replay_s = 0.0  # time spent rolling linear-attention layers back by replaying their mixers
+        self._hooks = [] if self.native else [m.register_forward_pre_hook(self._keep_inputs(i), with_kwargs=True)
+                                              for i, m in self.mixers.items()]
 
     def _keep_inputs(self, i: int):
         def hook(module, args, kwargs):
             self._inputs[i] = (args, kwargs)
         return hook
 
-    def save(self) -> None:
-        """Before a verification: the recurrent states the block is about to advance."""
-        self._saved = {i: {s: x.clone() for s, x in self.cache.layers[i].recurrent_states.items() if x is not None}
-                       for i in self.mixers}
+    def save(self, verified: int) -> None:
+        """Before a verification of `verified` tokens: natively, record the state after each of them (the
+        prompt's forward records none: it runs chunked); else keep the states the block will advance."""
+        for i in self.mixers:
+            if self.native:
+                self.cache.layers[i].recurrent_states_to_keep = verified
+            else:
+                self._saved[i] = {s: x.clone() for s, x in self.cache.layers[i].recurrent_states.items()
+                                  if x is not None}
 
     def rewind(self, verified: int, keep: int) -> None:
         """Keep the first `keep` of the `verified` tokens the last forward added. A negative crop removes
         that many tokens in every transformers 5 release (the positive one changed meaning)."""
         for i, layer in enumerate(self.cache.layers):
-            if i not in self.mixers:
+            if i not in self.mixers or self.native:
                 layer.crop(keep - verified)
             elif keep == verified:
                 layer.crop(0)  # trims the recorded convolution inputs back to the kernel's width
@@ -87,6 +97,14 @@ class RewindableCache:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def records_recurrent_states(cache) -> bool:
+    """Whether this transformers release records a linear-attention layer's state after each token of a
+    forward, for a crop to restore (5.25 on)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
 
 
 def _linear_mixers(target: Target, cache) -> dict:
@@ -170,7 +188,7 @@ def _decode(target: Target, drafter: Drafter, cache: RewindableCache, prompt, ma
         block[0] = bonus
         h = drafter(None, None, block, torch.arange(n, n + B, device=device), _no_mask, ctx_kv=ctx_kv)
         draft = _argmax_head(target, h[1:].to(target.head.weight.dtype))  # [B-1]
-        cache.save()
+        cache.save(B)
         hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache.cache)  # verify positions n..n+B-1
         choice = _argmax_head(target, last[0])  # [B]: the target's token after each verified position
         a = int((draft == choice[:-1]).long().cumprod(0).sum())

@@ -78,11 +78,16 @@ def run_cli(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Co
                           cwd=REPO, **kwargs)
 
 
-def start_cli(args: list[str]) -> subprocess.Popen:
-    """`python -m dflash ARGS` in the background (to be killed)."""
+def start_cli(args: list[str], shard_delay: float = 0.0) -> subprocess.Popen:
+    """`python -m dflash ARGS` in the background (to be killed). `shard_delay`: seconds each shard write
+    waits first, so that a run this small lasts long enough to be killed mid-way on any machine."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "dflash", *args]
+    if shard_delay:
+        cmd = [sys.executable, "-c", "import sys, time\nfrom dflash.cache import Cache\nfrom dflash.__main__ import command\n"
+               f"write = Cache.write_shard\nCache.write_shard = lambda *a, **k: (time.sleep({shard_delay}), write(*a, **k))[1]\n"
+               "command()(sys.argv[1:], prog_name='dflash')", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def run_in_process(args: list[str]):

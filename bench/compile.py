@@ -1,0 +1,230 @@
+"""Cold and warm start of the compiled training step on one GPU (results go to bench/RESULTS.md).
+
+For each shape, `dflash.train.train` runs in its own process on a synthetic cache (bench/train.py's
+writer), in up to three conditions:
+  cold     empty Inductor, Triton and dflash compile caches: a fresh machine;
+  warm     the same command again in a new process: the same machine, every cache kept;
+  carried  a new process with empty Inductor and Triton caches but the dflash compile cache of the cold
+           run: a fresh machine that has the user's ~/.cache/dflash.
+Per run: the first step (compile + first run), the second (CUDA-graph recording) and the third
+(replay), each timed with a sync; where the first step's time goes (torch._dynamo.utils.compile_times:
+dynamo tracing, AOT autograd, Inductor lowering and code generation, Triton compilation and autotuning,
+forward and backward); then the steady step time, MFU, recompiles, CUDA-graph skips and peak memory.
+
+Shapes (the Qwen3-8B drafter: 5 layers, hidden 4096, vocab 151936; the tiny target's drafter: hidden 256,
+vocab 4096):
+  8b-12288  T = 12288 (4 x 3072-token documents), 2048 anchors
+  8b-3072   T = 3072 (one document), 512 anchors
+  tiny-4096 4 layers, T = 4096 (chat-like rows), 512 anchors, target layers 1, 3, 5
+  tiny-1024 the embedded preset's 2 layers, T = 1024, 128 anchors
+
+    source bench/setup_device.sh || exit; python3 bench/compile.py --out $OUT --shapes 8b-3072,tiny-4096
+    python3 bench/compile.py --out $OUT --shapes tiny-4096 --set triton.autotune_pointwise=False   # a knob
+    python bench/compile.py --smoke --out /tmp/compile-smoke      # toy widths on the CPU (compile="yes")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.train import QWEN3_8B, synthetic_cache  # noqa: E402
+
+TINY = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 768, "vocab_size": 4096, "num_hidden_layers": 6, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "model_type": "qwen3", "dflash_mask_token_id": 3}
+SMOKE = {**TINY, "hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512,
+         "dflash_mask_token_id": 5}
+# name: (dims, target layers, drafter layers, T, max docs, anchors, documents: "long" (T-filling) or "chat")
+SHAPES = {"8b-12288": (QWEN3_8B, [1, 9, 17, 25, 33], 5, 12288, 8, 2048, "long"),
+          "8b-3072": (QWEN3_8B, [1, 9, 17, 25, 33], 5, 3072, 1, 512, "long"),
+          "tiny-4096": (TINY, [1, 3, 5], 4, 4096, 64, 512, "chat"),
+          "tiny-1024": (TINY, [1, 2, 3], 2, 1024, 64, 128, "chat"),
+          "smoke": (SMOKE, [1, 3], 1, 256, 8, 16, "chat")}
+CONDITIONS = ("cold", "warm", "carried")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def documents(kind: str, T: int, n_shards: int, rng) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Document lengths and loss masks: T-filling documents (3072 tokens, or T if shorter), or chat-like
+    rows (lognormal, median 700, the first 15-35 % an unsupervised prompt)."""
+    if kind == "long":
+        n = min(T, 3072)
+        return np.full(n_shards * (T // n), n), [np.ones(n, np.uint8)] * (n_shards * (T // n))
+    lens = np.clip(rng.lognormal(np.log(700), 0.8, n_shards * max(T // 700, 1) + 8), 64, min(T, 3072)).astype(np.int64)
+    masks = []
+    for n in lens:
+        m = np.ones(n, np.uint8)
+        m[: int(n * rng.uniform(0.15, 0.35))] = 0
+        masks.append(m)
+    return lens, masks
+
+
+def make_cache(shape: str, work: Path, device: str, n_shards: int = 6) -> Path:
+    dims, layers, _, T, D, _, kind = SHAPES[shape]
+    path = work / f"cache-{shape}"
+    if not path.exists():
+        lens, masks = documents(kind, T, n_shards, np.random.default_rng(0))
+        synthetic_cache(path, lens, masks, T, D, dims, device, layers=layers)
+    return path
+
+
+# -- the child: one training run, timed ---------------------------------------------------------------
+
+
+def child(args) -> None:
+    """One `dflash train` run in this process; its measurements as JSON on the last line of stdout."""
+    from torch._dynamo.utils import compile_times
+
+    import dflash.train as trainlib
+    from dflash.config import TrainConfig
+
+    for kv in args.set:  # Inductor knobs to try, e.g. triton.autotune_pointwise=False
+        key, value = kv.split("=", 1)
+        obj = torch._inductor.config
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))
+    _, _, num_layers, _, _, anchors, _ = SHAPES[args.child]
+    device = "cpu" if args.smoke else "cuda"
+    step_s: list[float] = []
+    plain_step = trainlib.train_step
+
+    def timed_step(s, inputs, lr):  # the first 3 steps, each with a sync on both sides
+        if len(step_s) >= 3:
+            return plain_step(s, inputs, lr)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = plain_step(s, inputs, lr)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - t0)
+        return out
+
+    trainlib.train_step = timed_step
+    run = Path(args.work) / f"run-{args.child}"
+    shutil.rmtree(run, ignore_errors=True)
+    cfg = TrainConfig(cache=args.cache, out=str(run), num_layers=num_layers, num_anchors=anchors, block_size=16,
+                      max_steps=args.steps, log_every=5, save_every=10**9, compile="yes", holdout_shards=0,
+                      epochs=1000, device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    stats = trainlib.train(cfg, log=log)
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    steady = steps[1:] or steps  # the first interval holds the compile
+    tok_s = float(np.median([r["tokens_per_s"] for r in steady]))
+    keys, values = compile_times(repr="csv", aggregate=True)
+    res = {"shape": args.child, "steps": stats["steps"], "first_step_s": stats["first_step_s"],
+           "step_s_first3": step_s, "wall_s": wall, "step_ms": 1e3 * SHAPES[args.child][3] / tok_s,
+           "mfu": float(np.median([r.get("mfu", 0.0) for r in steady])), "recompiles": stats["recompiles"],
+           "cudagraph_skips": stats["cudagraph_skips"], "compile": next((r for r in records if "compile" in r), None),
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
+           "compile_times": {k: float(v) for k, v in zip(keys, values)}, "set": args.set}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# -- the parent: conditions, breakdown, table ---------------------------------------------------------
+
+
+def breakdown(ct: dict) -> dict:
+    """The first step's compile, by phase (seconds, summed over every graph compiled in the process)."""
+    g = lambda k: ct.get(k, 0.0)  # noqa: E731
+    fw, bw = g("compile_fx.<locals>.fw_compiler_base"), g("compile_fx.<locals>.bw_compiler")
+    return {"total": g("_compile.compile_inner") + bw,
+            "dynamo": g("_compile.compile_inner") - g("OutputGraph.call_user_compiler"),
+            "aot_autograd": g("create_aot_dispatcher_function") - fw,
+            "inductor_fw": fw, "inductor_bw": bw,
+            "lowering": g("GraphLowering.run"), "scheduler": g("Scheduler.__init__") + g("Scheduler.codegen"),
+            "triton_compile_wait": g("async_compile.wait"),
+            "autotune": sum(v for k, v in ct.items() if "benchmark_all_configs" in k or "autotune" in k.lower()),
+            "load_modules": g("PyCodeCache.load_by_key_path")}
+
+
+def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict:
+    env = dict(os.environ)
+    torch_dir = dirs["torch"] if condition != "carried" else dirs["torch_carried"]
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(torch_dir / "inductor"), TRITON_CACHE_DIR=str(torch_dir / "triton"),
+               DFLASH_CACHE_DIR=str(dirs["dflash"]))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", shape, "--cache", str(cache), "--work",
+           str(args.work), "--steps", str(args.steps), "--out", str(args.out), *sum((["--set", s] for s in args.set), []),
+           *(["--smoke"] if args.smoke else [])]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    (Path(args.out) / f"{shape}-{condition}.log").write_text(p.stdout[-200_000:] + p.stderr[-200_000:])
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if line is None:
+        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout).strip().splitlines()[-1:]}",
+                "process_s": time.perf_counter() - t0}
+    res = json.loads(line[len("RESULT "):])
+    res["process_s"] = time.perf_counter() - t0
+    res["breakdown"] = breakdown(res.pop("compile_times"))
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/bench-compile")
+    p.add_argument("--shapes", default="8b-12288,8b-3072,tiny-4096")
+    p.add_argument("--conditions", default=",".join(CONDITIONS), help=f"any of {', '.join(CONDITIONS)}")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--set", action="append", default=[], help="an Inductor config knob for every run: KEY=VALUE")
+    p.add_argument("--child-timeout", type=float, default=560)
+    p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--cache", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    device = "cpu" if args.smoke else "cuda"
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "torch": torch.__version__, "set": args.set}
+    rows = []
+    for shape in shapes:
+        cache = make_cache(shape, work, device)
+        dirs = {k: work / f"{shape}-{k}" for k in ("torch", "torch_carried", "dflash")}
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+        for condition in args.conditions.split(","):
+            r = res.setdefault(shape, {})[condition] = run_child(shape, cache, condition, args, dirs)
+            log(shape, condition, json.dumps(r))
+            (out / "results.json").write_text(json.dumps(res, indent=2))  # a cut run keeps what it measured
+            if "error" in r:
+                rows.append(f"| {shape} | {condition} | error: {r['error']} |")
+                continue
+            b, s3 = r["breakdown"], r["step_s_first3"]
+            rows.append(f"| {shape} | {condition} | {s3[0]:.1f} | {b['dynamo']:.1f} | {b['aot_autograd']:.1f} | "
+                        f"{b['inductor_fw']:.1f} / {b['inductor_bw']:.1f} | {b['triton_compile_wait']:.1f} | "
+                        f"{b['autotune']:.1f} | {s3[1]:.2f} | {r['step_ms']:.1f} | {r['mfu']:.1%} | "
+                        f"{r['recompiles']} / {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} |")
+    print("\n| shape | start | step 1 s | dynamo | AOT | Inductor fw / bw | Triton wait | autotune | step 2 s "
+          "(graph record) | step ms | MFU | recompiles / skips | peak GB |\n|" + "---|" * 13)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
