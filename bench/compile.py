@@ -165,8 +165,9 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     torch_dir = dirs["torch"] if condition != "carried" else dirs["torch_carried"]
     env.update(TORCHINDUCTOR_CACHE_DIR=str(torch_dir / "inductor"), TRITON_CACHE_DIR=str(torch_dir / "triton"),
                DFLASH_CACHE_DIR=str(dirs["dflash"]))
+    knobs = [x for s in args.set for x in ("--set", s)]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", shape, "--cache", str(cache), "--work",
-           str(args.work), "--steps", str(args.steps), "--out", str(args.out), *sum((["--set", s] for s in args.set), []),
+           str(args.work), "--steps", str(args.steps), "--out", str(args.out), *knobs,
            *(["--smoke"] if args.smoke else [])]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)

@@ -60,7 +60,9 @@ def sample_anchors(valid: torch.Tensor, num_anchors: int, generator=None) -> tup
     which of them are real ([A] bool: fewer valid positions than A leaves some slots unused)."""
     scores = torch.rand(valid.shape[0], device=valid.device, generator=generator)
     scores = torch.where(valid, scores, -1.0)
-    anchors = scores.topk(num_anchors).indices.sort().values
+    # ascending by a second topk, not sort: Inductor turns a sort of <= 512 elements into a Triton sorting
+    # network that takes minutes to compile, while topk stays one library call
+    anchors = scores.topk(num_anchors).indices.topk(num_anchors, largest=False).values
     return anchors, valid[anchors]
 
 

@@ -104,7 +104,8 @@ def records_recurrent_states(cache) -> bool:
     forward, for a crop to restore (5.25 on)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    return "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    params = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    return "recurrent_states_to_keep" in params
 
 
 def _linear_mixers(target: Target, cache) -> dict:

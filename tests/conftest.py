@@ -84,9 +84,11 @@ def start_cli(args: list[str], shard_delay: float = 0.0) -> subprocess.Popen:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "dflash", *args]
     if shard_delay:
-        cmd = [sys.executable, "-c", "import sys, time\nfrom dflash.cache import Cache\nfrom dflash.__main__ import command\n"
-               f"write = Cache.write_shard\nCache.write_shard = lambda *a, **k: (time.sleep({shard_delay}), write(*a, **k))[1]\n"
-               "command()(sys.argv[1:], prog_name='dflash')", *args]
+        slow = (f"import sys, time\nfrom dflash.cache import Cache\nfrom dflash.__main__ import command\n"
+                f"write = Cache.write_shard\n"
+                f"Cache.write_shard = lambda *a, **k: (time.sleep({shard_delay}), write(*a, **k))[1]\n"
+                f"command()(sys.argv[1:], prog_name='dflash')")
+        cmd = [sys.executable, "-c", slow, *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -162,6 +162,16 @@ def test_anchor_sampling_is_uniform_over_valid_positions_and_fixed_size():
     assert ((freq - 3 / 7).abs() < 0.05).all(), freq  # each valid position with probability A / valid
 
 
+def test_anchor_sampling_leaves_no_sort_for_the_compiler():
+    """Inductor compiles a sort of <= 512 elements into a Triton sorting network, minutes of compile at
+    A = 512; the sampler keeps to topk, which stays one library call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda v: sample_anchors(v, 512))(torch.rand(4096) > 0.3)
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("topk" in o for o in ops) and not any("sort" in o for o in ops), ops
+
+
 def test_blocks_labels_and_weights():
     T = 12
     lens = torch.tensor([7, 5], dtype=torch.int32)
