@@ -20,6 +20,7 @@ vocab 4096):
 
     source bench/setup_device.sh || exit; python3 bench/compile.py --out $OUT --shapes 8b-3072,tiny-4096
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --set triton.autotune_pointwise=False   # a knob
+    python3 bench/compile.py --out $OUT --shapes 8b-12288 --train compile_regions=true   # a TrainConfig field
     python bench/compile.py --smoke --out /tmp/compile-smoke      # toy widths on the CPU (compile="yes")
 """
 
@@ -121,9 +122,10 @@ def child(args) -> None:
     trainlib.train_step = timed_step
     run = Path(args.work) / f"run-{args.child}"
     shutil.rmtree(run, ignore_errors=True)
+    overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.train)}
     cfg = TrainConfig(cache=args.cache, out=str(run), num_layers=num_layers, num_anchors=anchors, block_size=16,
                       max_steps=args.steps, log_every=5, save_every=10**9, compile="yes", holdout_shards=0,
-                      epochs=1000, device=device)
+                      epochs=1000, device=device, **overrides)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -139,7 +141,7 @@ def child(args) -> None:
            "mfu": float(np.median([r.get("mfu", 0.0) for r in steady])), "recompiles": stats["recompiles"],
            "cudagraph_skips": stats["cudagraph_skips"], "compile": next((r for r in records if "compile" in r), None),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
-           "compile_times": {k: float(v) for k, v in zip(keys, values)}, "set": args.set}
+           "compile_times": {k: float(v) for k, v in zip(keys, values)}, "set": args.set, "train": args.train}
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -165,7 +167,7 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     torch_dir = dirs["torch"] if condition != "carried" else dirs["torch_carried"]
     env.update(TORCHINDUCTOR_CACHE_DIR=str(torch_dir / "inductor"), TRITON_CACHE_DIR=str(torch_dir / "triton"),
                DFLASH_CACHE_DIR=str(dirs["dflash"]))
-    knobs = [x for s in args.set for x in ("--set", s)]
+    knobs = [x for s in args.set for x in ("--set", s)] + [x for s in args.train for x in ("--train", s)]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", shape, "--cache", str(cache), "--work",
            str(args.work), "--steps", str(args.steps), "--out", str(args.out), *knobs,
            *(["--smoke"] if args.smoke else [])]
@@ -190,6 +192,7 @@ def main():
     p.add_argument("--conditions", default=",".join(CONDITIONS), help=f"any of {', '.join(CONDITIONS)}")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--set", action="append", default=[], help="an Inductor config knob for every run: KEY=VALUE")
+    p.add_argument("--train", action="append", default=[], help="a TrainConfig field for every run: KEY=JSON")
     p.add_argument("--child-timeout", type=float, default=560)
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -203,7 +206,7 @@ def main():
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     device = "cpu" if args.smoke else "cuda"
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "torch": torch.__version__, "set": args.set}
+           "torch": torch.__version__, "set": args.set, "train": args.train}
     rows = []
     for shape in shapes:
         cache = make_cache(shape, work, device)

@@ -184,28 +184,42 @@ def flex_attention_fn(block_mask):
     return attend
 
 
+def _chunk(hc, weight, yc, wc, need_grad: bool):
+    """One chunk of rows: (sum of w * CE, argmax correct [c], gradient for hc [c, H] or None)."""
+    logits = (hc @ weight.t()).float()  # [c, V]
+    lse = logits.logsumexp(-1)
+    loss = (wc * (lse - logits.gather(1, yc[:, None])[:, 0])).sum()
+    correct = logits.argmax(-1) == yc
+    if not need_grad:
+        return loss, correct, None
+    p = torch.exp(logits - lse[:, None])  # softmax
+    p = p.scatter_add(1, yc[:, None], -torch.ones_like(p[:, :1]))
+    return loss, correct, ((p * wc[:, None]).to(weight.dtype) @ weight).to(hc.dtype)
+
+
+# compiled once and called for every chunk: an unrolled chunk has its own offsets baked into its kernels
+_chunk_region = torch.compiler.nested_compile_region(_chunk)
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i) over rows, in chunks: the [N, V] logits never exist at once, and
     the frozen head W gets no gradient. The gradient for h is computed chunk by chunk in the forward
     (so nothing of the logits is kept) and scaled in the backward."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk):
+    def forward(ctx, h, weight, labels, w, chunk, region):
         N = h.shape[0]
         need_grad = ctx.needs_input_grad[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(N, dtype=torch.bool, device=h.device)
         grad = torch.empty_like(h) if need_grad else None
-        for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph
-            hc, yc, wc = h[i : i + chunk], labels[i : i + chunk], w[i : i + chunk]
-            logits = (hc @ weight.t()).float()  # [c, V]
-            lse = logits.logsumexp(-1)
-            total = total + (wc * (lse - logits.gather(1, yc[:, None])[:, 0])).sum()
-            correct[i : i + chunk] = logits.argmax(-1) == yc
+        body = _chunk_region if region else _chunk
+        for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph (`region`: calls of one)
+            loss, correct[i : i + chunk], g = body(h[i : i + chunk], weight, labels[i : i + chunk], w[i : i + chunk],
+                                                   need_grad)
+            total = total + loss
             if need_grad:
-                p = torch.exp(logits - lse[:, None])  # softmax
-                p = p.scatter_add(1, yc[:, None], -torch.ones_like(p[:, :1]))
-                grad[i : i + chunk] = ((p * wc[:, None]).to(weight.dtype) @ weight).to(h.dtype)
+                grad[i : i + chunk] = g
         ctx.mark_non_differentiable(correct)
         if need_grad:
             ctx.save_for_backward(grad)
@@ -214,12 +228,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
-def head_cross_entropy(h, weight, labels, w, chunk: int = 1024):
-    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head."""
-    return _HeadCrossEntropy.apply(h, weight, labels, w, chunk)
+def head_cross_entropy(h, weight, labels, w, chunk: int = 1024, region: bool = False):
+    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head.
+    `region`: in a compiled step, the chunk is one nested compile region instead of unrolled copies."""
+    return _HeadCrossEntropy.apply(h, weight, labels, w, chunk, region)
 
 
 @dataclass
@@ -235,6 +250,7 @@ class StepOutput:
 
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
                  gamma: float, labels_from: str = "target", attention: str = "eager", ce_chunk: int = 1024,
+                 ce_region: bool = False,
                  anchors: torch.Tensor | None = None, generator=None) -> StepOutput:
     """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
     doc_lens [D]. `anchors` (sorted [A]) replaces the random draw, for tests."""
@@ -258,7 +274,7 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
     h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend)  # [A*B, H]
     h = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])  # slots 1..B-1: [A*(B-1), H]
     w = blocks.weights.reshape(-1)
-    total, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), w, ce_chunk)
+    total, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), w, ce_chunk, ce_region)
     weight_sum = w.sum()
     trained = (blocks.weights > 0).view(-1, B - 1)
     visible = B * (torch.where(anchor_ok, lay.pos[anchors], 0) + B).sum()  # per query: context before p + own block

@@ -163,7 +163,8 @@ class LossModule(torch.nn.Module):
             out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask,
                                target_ids.long(), doc_lens,
                                num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
-                               attention=self.attention, ce_chunk=self.cfg.ce_chunk)
+                               attention=self.attention, ce_chunk=self.cfg.ce_chunk,
+                               ce_region=self.cfg.compile_regions)
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys
 
 
@@ -276,7 +277,8 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
             "H": m["hidden_size"], "A": cfg.num_anchors, "ce_chunk": cfg.ce_chunk, "gamma": module.gamma,
             "labels": cfg.labels, "storage": m["storage_dtype"], "scale_block": module.scale_block,
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
-            "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS, "world": d.world,
+            "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,
+            "regions": cfg.compile_regions, "world": d.world,
             "code": source_hash(drafter_module, objective, fp8, LossModule)}
 
 
