@@ -50,7 +50,7 @@ class RewindableCache:
             if type(layer) is DynamicSlidingWindowLayer:  # mask applies the window), so a crop is exact in
                 self.cache.layers[i] = DynamicLayer()  # every release (5.17's recorded window mis-sized its mask)
         self.mixers = _linear_mixers(target, self.cache)  # {layer index: its linear-attention module}
-        self.native = records_recurrent_states(self.cache)
+        self.native = records_recurrent_states()
         # linear-attention layers keep the convolution inputs (and, natively, the recurrent states) a crop needs
         self.cache.activate_past_recording(**({"recurrent_states_to_keep": 0} if self.native else {}))
         self._inputs: dict[int, tuple] = {}
@@ -99,7 +99,7 @@ class RewindableCache:
             h.remove()
 
 
-def records_recurrent_states(cache) -> bool:
+def records_recurrent_states() -> bool:
     """Whether this transformers release records a linear-attention layer's state after each token of a
     forward, for a crop to restore (5.25 on)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin

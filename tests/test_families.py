@@ -119,7 +119,7 @@ def test_spec_rewinds_every_family(tmp_path, model_type):
     model = AutoModelForCausalLM.from_pretrained(tiny_target(model_type, tmp_path / "t"), dtype=torch.float32).eval()
     make_exact(model)
     target = Target(model, LAYERS)
-    native = records_recurrent_states(DynamicCache(config=model.config))
+    native = records_recurrent_states()
     torch.manual_seed(0)
     for right in (2, B - 1):
         for n in (5, 40):  # a prompt shorter than the convolution / window / top-k, and one longer
