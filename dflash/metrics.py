@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,14 +117,15 @@ class Metrics:
         self.first_step_s = time.perf_counter() - t0
         self._graphs_after_first = compiled_graphs()
 
-    def check_finite(self, last_good: str) -> None:
-        """Stop at a non-finite loss or gradient (host sync: call it where the loop syncs anyway)."""
+    def check_finite(self, last_good: Callable[[], str]) -> None:
+        """Stop at a non-finite loss or gradient (host sync: call it where the loop syncs anyway);
+        `last_good()` says what the stopped run leaves (read only when it stops)."""
         step = int(self.bad_step)
         if step >= 0:
             loss, gnorm = self.bad_values.tolist()
             raise DflashError(f"step {step}: the loss ({loss}) or the gradient norm ({gnorm}) is not finite; the run "
-                              f"stops without saving ({last_good}): lower --lr, or check the cache with `dflash cache "
-                              f"verify`")
+                              f"stops without saving ({last_good()}): lower --lr, or check the cache with "
+                              f"`dflash cache verify`")
 
     def log(self, step: int, lr: float, epoch: int, input_wait_s: float) -> dict:
         """The line for the steps since the last one (host sync), appended to the log file."""

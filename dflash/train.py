@@ -329,14 +329,14 @@ def loop(s: Setup, start: int, log) -> dict:
     compile_record = {}
 
     def save(at: int) -> int:
-        metrics.check_finite(last_good(run))  # nothing non-finite is ever saved
+        metrics.check_finite(lambda: last_good(run))  # nothing non-finite is ever saved
         if d.is_main:
             checkpoint.save(run, at, s.drafter, s.optimizer, {"shards_seen": at * d.world})
         d.barrier()
         return at
 
     def evaluate(at: int) -> None:
-        metrics.check_finite(last_good(run))
+        metrics.check_finite(lambda: last_good(run))
         if not (s.holdout and d.is_main):
             return
         result = acceptance(s.drafter.eval(), s.cache, s.holdout[: cfg.eval_shards], s.device)
@@ -359,7 +359,7 @@ def loop(s: Setup, start: int, log) -> dict:
             if step % cfg.log_every == 0 or step == s.total:
                 record = metrics.log(step, lr_at(cfg, step - 1, s.total), (step - 1) * d.world // len(s.train_shards),
                                      loader.wait_s)
-                metrics.check_finite(last_good(run))
+                metrics.check_finite(lambda: last_good(run))
                 bar.set_postfix_str(f"loss {record['loss']:.3f} acc1 {record['slot_acc'][0]:.2f}", refresh=False)
             if step % cfg.save_every == 0 or step == s.total:
                 saved = save(step)
