@@ -34,16 +34,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash import fp8  # noqa: E402
 from dflash.cache import Cache, info  # noqa: E402
 from dflash.config import ExtractConfig  # noqa: E402
 from dflash.data import Tokenizer, read_rows  # noqa: E402
 from dflash.extract import extract, make_batches  # noqa: E402
+from dflash.metrics import peak_tflops  # noqa: E402
 from dflash.target import Target, load_target  # noqa: E402
 
 TINY_TOKENIZER = REPO / "data" / "tiny-target"
 DEVICE = "cuda"
-PEAK_FLOPS = 989.4e12  # the H200's datasheet bf16 peak, as `dflash train`'s MFU (dflash.metrics)
+PEAK_FLOPS = 989.4e12  # bf16 peak for MFU: the GPU's datasheet figure (dflash.metrics), set in main()
 MOE_SHAPES = {
     "qwen3-30b-a3b": {"model_type": "qwen3_moe", "config": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
@@ -294,7 +294,9 @@ def part_gdn(args, res, work):
     res["gdn_forward_only"] = forward_only(gcfg, work / "gdn-fla")
     res["gdn_fixed_shape"] = fixed_shape_rate(gcfg, 8, 2048)
     log("gdn forward only:", json.dumps(res["gdn_forward_only"]), json.dumps(res["gdn_fixed_shape"]))
-    fla_states = [bf16_states(Cache(work / "gdn-fla"), s) for s in range(3)]
+    fla_cache = Cache(work / "gdn-fla")
+    checked = range(min(3, fla_cache.num_shards))
+    fla_states = [bf16_states(fla_cache, s) for s in checked]
     shutil.rmtree(work / "gdn-fla")  # one cache on the disk at a time (two of 2 M tokens fill 64 GB)
     tcfg = ExtractConfig(**{**gcfg.__dict__, "out": str(work / "gdn-torch")})
     res["gdn_torch"] = gdn_torch_path(tcfg, args.fla_dir)
@@ -302,7 +304,7 @@ def part_gdn(args, res, work):
     if "error" not in res["gdn_torch"]:
         torch_cache = Cache(work / "gdn-torch")
         res["gdn_rel_err_fla_vs_torch"] = max(((x - y).norm() / y.norm()).item() for x, y in
-                                              zip(fla_states, (bf16_states(torch_cache, s) for s in range(3))))
+                                              zip(fla_states, (bf16_states(torch_cache, s) for s in checked)))
     fixed, fo = res["gdn_fixed_shape"]["tokens_per_s"], res["gdn_forward_only"]["tokens_per_s"]
     rows = [("GDN forward only, fla, fixed shape 8x2048", f"{fixed:,.0f}", "the kernels at their best"),
             ("GDN forward only, fla, extraction's batches", f"{fo:,.0f}", f"{fo / fixed:.0%} of fixed shape")]
@@ -324,11 +326,7 @@ def part_gdn(args, res, work):
 
 def bf16_states(cache: Cache, shard: int) -> torch.Tensor:
     """A shard's states as fp32, whatever the storage."""
-    sh = cache.read_shard(shard)
-    if sh.hidden_scale is None:
-        return fp8.bf16_from_bits(sh.hidden).float()
-    return fp8.dequantize(torch.from_numpy(sh.hidden), fp8.bf16_from_bits(sh.hidden_scale), cache.scale_block,
-                          torch.float32)
+    return cache.states(cache.read_shard(shard), "cpu", torch.float32)
 
 
 def active_flops_per_token(config, width: int) -> float:
@@ -407,9 +405,11 @@ def main():
                    help="the folder fla was installed into (hidden from the torch run)")
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script, measures nothing")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, PEAK_FLOPS
     if args.smoke:
         DEVICE = "cpu"
+    else:
+        PEAK_FLOPS = (peak_tflops(torch.cuda.get_device_name()) or float("nan")) * 1e12
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)

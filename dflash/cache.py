@@ -150,9 +150,14 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
     group.attrs[MANIFEST_ATTR] = manifest
 
 
+def num_groups(hidden_size: int, block: int) -> int:
+    """G: scales per state row of fp8 storage with `block` channels per scale."""
+    return -(-hidden_size // block)
+
+
 def num_scale_groups(manifest: dict) -> int:
-    """G: scales per state row of an fp8 cache."""
-    return -(-manifest["hidden_size"] // manifest["scale_block"])
+    """G of an fp8 cache."""
+    return num_groups(manifest["hidden_size"], manifest["scale_block"])
 
 
 def committed_note(path: Path) -> str:

@@ -61,9 +61,10 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
             _convert_shard(src_cache, dst, s, dev, pool)
     seconds = time.perf_counter() - t0
     missing = src_cache.num_shards - len(src_committed)
-    log(f"{out}: converted {len(todo)} shards in {seconds:.1f}s; {len(dst.committed())}/{dst.num_shards} committed"
+    committed = len(done) + len(todo)
+    log(f"{out}: converted {len(todo)} shards in {seconds:.1f}s; {committed}/{dst.num_shards} committed"
         + (f" ({missing} shards of {src} are not committed yet: run convert again once they are)" if missing else ""))
-    return {"shards_converted": len(todo), "seconds": seconds, "complete": len(dst.committed()) == dst.num_shards}
+    return {"shards_converted": len(todo), "seconds": seconds, "complete": committed == dst.num_shards}
 
 
 def converted_manifest(src: cachelib.Cache, storage: str, scale_block: int) -> dict:

@@ -32,10 +32,14 @@ def read_run(run: Path, what: str = "") -> tuple[dict, Path]:
         config = json.loads((run / "config.json").read_text())
     except (OSError, ValueError):
         raise DflashError(f"{where}: not a training run (no config.json)") from None
+    return config, latest_checkpoint(run, where)
+
+
+def latest_checkpoint(run: Path, where: str) -> Path:
     ckpt = checkpoint.latest(run)
     if ckpt is None:
         raise DflashError(f"{where}: the run has no checkpoint yet")
-    return config, ckpt
+    return ckpt
 
 
 def read_drafter(path: str | Path, what: str = "--drafter") -> tuple[DrafterConfig, dict, dict]:
@@ -47,7 +51,7 @@ def read_drafter(path: str | Path, what: str = "--drafter") -> tuple[DrafterConf
     except (OSError, ValueError):
         raise DflashError(f"{what} {path}: no config.json (not a run or an exported drafter)") from None
     if "drafter" in config:  # a training run
-        _, ckpt = read_run(path, what)
+        ckpt = latest_checkpoint(path, f"{what} {path}")
         info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
         return DrafterConfig(**config["drafter"]), checkpoint.load_weights(ckpt), info
     if "target_layer_ids" not in (config.get("dflash_config") or {}):

@@ -18,13 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash.cache import num_groups
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_DTYPE = torch.bfloat16  # exact for the quantiser, which divides by the rounded scale
-
-
-def num_groups(hidden_size: int, block: int) -> int:
-    """G: scales per state row."""
-    return -(-hidden_size // block)
 
 
 def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,20 +78,22 @@ class RewindableCache:
     def rewind(self, verified: int, keep: int) -> None:
         """Keep the first `keep` of the `verified` tokens the last forward added. A negative crop removes
         that many tokens in every transformers 5 release (the positive one changed meaning)."""
+        replay = not self.native and keep < verified and self.mixers
+        t0 = time.perf_counter()
         for i, layer in enumerate(self.cache.layers):
             if i not in self.mixers or self.native:
                 layer.crop(keep - verified)
             elif keep == verified:
                 layer.crop(0)  # trims the recorded convolution inputs back to the kernel's width
             else:
-                t0 = time.perf_counter()
                 layer.crop(-verified)  # the convolution state before the block
                 for s, x in self._saved[i].items():
                     layer.recurrent_states[s].copy_(x)
                 args, kwargs = self._inputs[i]
                 self.mixers[i](*_first_tokens(args, verified, keep), **_first_tokens(kwargs, verified, keep))
-                _sync(self.device)  # host sync for the timing (the decode loop syncs every cycle anyway)
-                self.replay_s += time.perf_counter() - t0
+        if replay:
+            _sync(self.device)  # host sync for the timing, once (the decode loop syncs every cycle anyway)
+            self.replay_s += time.perf_counter() - t0
         self._inputs.clear()
 
     def close(self) -> None:
