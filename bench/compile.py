@@ -41,11 +41,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.train import QWEN3_8B, synthetic_cache  # noqa: E402
+from bench.train import QWEN3_8B, chat_documents, run, synthetic_cache  # noqa: E402
 
-TINY = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "intermediate_size": 768, "vocab_size": 4096, "num_hidden_layers": 6, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 4096, "model_type": "qwen3", "dflash_mask_token_id": 3}
+_tiny = json.loads((REPO / "data" / "tiny-target" / "config.json").read_text())
+TINY = {**{k: _tiny[k] for k in QWEN3_8B if k in _tiny}, "rope_theta": _tiny["rope_parameters"]["rope_theta"]}
 SMOKE = {**TINY, "hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512,
          "dflash_mask_token_id": 5}
 # name: (dims, target layers, drafter layers, T, max docs, anchors, documents: "long" (T-filling) or "chat")
@@ -62,18 +61,12 @@ def log(*a):
 
 
 def documents(kind: str, T: int, n_shards: int, rng) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Document lengths and loss masks: T-filling documents (3072 tokens, or T if shorter), or chat-like
-    rows (lognormal, median 700, the first 15-35 % an unsupervised prompt)."""
+    """T-filling documents (3072 tokens, or T if shorter), or chat-like rows (bench/train.py's) cut to T."""
     if kind == "long":
         n = min(T, 3072)
         return np.full(n_shards * (T // n), n), [np.ones(n, np.uint8)] * (n_shards * (T // n))
-    lens = np.clip(rng.lognormal(np.log(700), 0.8, n_shards * max(T // 700, 1) + 8), 64, min(T, 3072)).astype(np.int64)
-    masks = []
-    for n in lens:
-        m = np.ones(n, np.uint8)
-        m[: int(n * rng.uniform(0.15, 0.35))] = 0
-        masks.append(m)
-    return lens, masks
+    lens, masks = chat_documents(rng, n_shards * max(T // 700, 1) + 8)
+    return np.minimum(lens, T), [m[:T] for m in masks]
 
 
 def make_cache(shape: str, work: Path, device: str, n_shards: int = 6) -> Path:
@@ -89,11 +82,11 @@ def make_cache(shape: str, work: Path, device: str, n_shards: int = 6) -> Path:
 
 
 def child(args) -> None:
-    """One `dflash train` run in this process; its measurements as JSON on the last line of stdout."""
+    """One `dflash train` run in this process (bench/train.py's), its first 3 steps timed apart; the
+    measurements as JSON on the last line of stdout."""
     from torch._dynamo.utils import compile_times
 
     import dflash.train as trainlib
-    from dflash.config import TrainConfig
 
     for kv in args.set:  # Inductor knobs to try, e.g. triton.autotune_pointwise=False
         key, value = kv.split("=", 1)
@@ -120,28 +113,12 @@ def child(args) -> None:
         return out
 
     trainlib.train_step = timed_step
-    run = Path(args.work) / f"run-{args.child}"
-    shutil.rmtree(run, ignore_errors=True)
     overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.train)}
-    cfg = TrainConfig(cache=args.cache, out=str(run), num_layers=num_layers, num_anchors=anchors, block_size=16,
-                      max_steps=args.steps, log_every=5, save_every=10**9, compile="yes", holdout_shards=0,
-                      epochs=1000, device=device, **overrides)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    stats = trainlib.train(cfg, log=log)
-    wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    steady = steps[1:] or steps  # the first interval holds the compile
-    tok_s = float(np.median([r["tokens_per_s"] for r in steady]))
+    res = run(args.child, Path(args.cache), Path(args.work), anchors, args.steps, "yes", 5, device=device,
+              num_layers=num_layers, **overrides)
     keys, values = compile_times(repr="csv", aggregate=True)
-    res = {"shape": args.child, "steps": stats["steps"], "first_step_s": stats["first_step_s"],
-           "step_s_first3": step_s, "wall_s": wall, "step_ms": 1e3 * SHAPES[args.child][3] / tok_s,
-           "mfu": float(np.median([r.get("mfu", 0.0) for r in steady])), "recompiles": stats["recompiles"],
-           "cudagraph_skips": stats["cudagraph_skips"], "compile": next((r for r in records if "compile" in r), None),
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
-           "compile_times": {k: float(v) for k, v in zip(keys, values)}, "set": args.set, "train": args.train}
+    res.update(step_s_first3=step_s, compile_times={k: float(v) for k, v in zip(keys, values)}, set=args.set,
+               train=args.train)
     print("RESULT " + json.dumps(res), flush=True)
 
 

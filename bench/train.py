@@ -116,19 +116,34 @@ def profiled(out: Path, wait: int = 6, active: int = 3):
     return Ctx()
 
 
+def chat_documents(rng, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """n chat-like rows: lognormal lengths (median 700, sigma 0.8, clipped to [64, 3072]) and loss masks
+    whose first 15-35 % is an unsupervised prompt."""
+    lens = np.clip(rng.lognormal(np.log(700), 0.8, n), 64, 3072).astype(np.int64)
+    masks = []
+    for k in lens:
+        m = np.ones(k, np.uint8)
+        m[: int(k * rng.uniform(0.15, 0.35))] = 0
+        masks.append(m)
+    return lens, masks
+
+
 def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: str, log_every: int,
-        device: str = "cuda") -> dict:
+        device: str = "cuda", num_layers: int = 5, **overrides) -> dict:
+    """A `dflash train` run on `cache`: step time, MFU, first step, recompiles, peak memory, the compile
+    record; `overrides`: other TrainConfig fields."""
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = TrainConfig(cache=str(cache), out=str(out), num_layers=5, num_anchors=anchors, block_size=16,
+    cfg = TrainConfig(cache=str(cache), out=str(out), num_layers=num_layers, num_anchors=anchors, block_size=16,
                       max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
-                      holdout_shards=0, epochs=1000, device=device)
+                      holdout_shards=0, epochs=1000, device=device, **overrides)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     stats = train(cfg, log=log)
     wall = time.perf_counter() - t0
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [x for x in records if "loss" in x]
     steady = lines[1:] or lines  # the first interval holds the compile
     tok_s = float(np.mean([x["tokens_per_s"] for x in steady]))
     T = cachelib.read_manifest(cache)["token_budget"]
@@ -138,7 +153,8 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
            "input_wait": float(np.mean([x["input_wait"] for x in steady])),
            "useful_draft_tokens_per_s": float(np.mean([x["trained_slots_per_step"] for x in steady])) * tok_s / T,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, "wall_s": wall,
-           "final_loss": lines[-1]["loss"], "cudagraph_skips": stats["cudagraph_skips"]}
+           "final_loss": lines[-1]["loss"], "cudagraph_skips": stats["cudagraph_skips"],
+           "compile": next((x for x in records if "compile" in x), None)}
     shutil.rmtree(out, ignore_errors=True)
     log(json.dumps(res))
     return res
@@ -165,12 +181,7 @@ def main():
         device = "cpu"
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    lens = np.clip(rng.lognormal(np.log(700), 0.8, 140), 64, 3072).astype(np.int64)
-    masks = []
-    for n in lens:
-        m = np.ones(n, np.uint8)
-        m[: int(n * rng.uniform(0.15, 0.35))] = 0
-        masks.append(m)
+    lens, masks = chat_documents(rng, 140)
     n_long = 4 * 6  # 6 shards of 4 x 3072
     caches = {"c12288": (np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8),
               "c3072": (np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1),
