@@ -84,9 +84,22 @@ def make_cache(shape: str, work: Path, device: str, n_shards: int = 6) -> Path:
 def child(args) -> None:
     """One `dflash train` run in this process (bench/train.py's), its first 3 steps timed apart; the
     measurements as JSON on the last line of stdout."""
-    from torch._dynamo.utils import compile_times
+    import logging
+
+    from torch._dynamo.utils import compile_times, counters
 
     import dflash.train as trainlib
+
+    bypass: list[str] = []  # why AOT autograd's cache was bypassed (a warm start then retraces the joint graph)
+
+    class Bypass(logging.Handler):
+        def emit(self, record):
+            if "Bypassing" in record.getMessage():
+                bypass.append(record.getMessage()[:300])
+
+    aot_log = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    aot_log.addHandler(Bypass())
+    aot_log.setLevel(logging.INFO)
 
     for kv in args.set:  # Inductor knobs to try, e.g. triton.autotune_pointwise=False
         key, value = kv.split("=", 1)
@@ -117,8 +130,10 @@ def child(args) -> None:
     res = run(args.child, Path(args.cache), Path(args.work), anchors, args.steps, "yes", 5, device=device,
               num_layers=num_layers, **overrides)
     keys, values = compile_times(repr="csv", aggregate=True)
+    caches = {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
+              if "cache" in k}
     res.update(step_s_first3=step_s, compile_times={k: float(v) for k, v in zip(keys, values)}, set=args.set,
-               train=args.train)
+               train=args.train, caches=caches, aot_cache_bypass=bypass)
     print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -222,8 +222,7 @@ def part_qwen3(args, res, work):
     make_target(work / "qwen3-8b-6l", "qwen3", args.smoke)
     log(f"setup: {n_rows} rows, target saved in {time.perf_counter() - t:.0f}s")
     cfg = ExtractConfig(target=str(work / "qwen3-8b-6l"), data=[str(work / "data.jsonl")], out=str(work / "cache"),
-                        layers=[1, 3, 5], token_budget=8192, max_docs=64, batch_size=16, batch_tokens=32768,
-                        device=DEVICE)
+                        layers=[1, 3, 5], token_budget=8192, max_docs=64, device=DEVICE)
     res["warmup_s"] = warm_up(cfg)
     res["disk"] = timed_extract(cfg)
     log("disk:", json.dumps(res["disk"]))
@@ -282,8 +281,8 @@ def part_gdn(args, res, work):
     make_target(work / "gdn", "gdn", args.smoke)
     make_data(work / "gdn.jsonl", args.gdn_tokens, seed=1)
     gcfg = ExtractConfig(target=str(work / "gdn"), data=[str(work / "gdn.jsonl")], out=str(work / "gdn-fla"),
-                         layers=[0, 1, 3], token_budget=8192, max_docs=64, batch_size=16, batch_tokens=32768,
-                         device=DEVICE, storage=args.storage)
+                         layers=[0, 1, 3], token_budget=8192, max_docs=64, device=DEVICE,
+                         storage=args.storage)
     res["gdn_backend_here"] = linear_attention_backend()
     res["gdn_fla_cold"] = timed_extract(gcfg)  # the process's first: every compile and autotune counted
     res["gdn_fla_cold"]["triton"] = events.take() if events else {}
@@ -356,7 +355,7 @@ def part_moe(args, res, work):
         make_target(work / kind, kind, args.smoke)
         r = res.setdefault("moe", {}).setdefault(kind, {})
         config = AutoConfig.from_pretrained(work / kind)
-        for impl in ("grouped_mm", "eager", "batched_mm"):
+        for impl in args.moe_impls.split(","):
             cfg = ExtractConfig(target=str(work / kind), data=[str(work / "moe.jsonl")], out=str(work / "moe-cache"),
                                 layers=[1, 3], token_budget=8192, max_docs=64, device=DEVICE,
                                 experts_implementation=impl)
@@ -370,10 +369,9 @@ def part_moe(args, res, work):
             mfu = rate * active_flops_per_token(config, 2048) / PEAK_FLOPS if rate else None
             rows.append((f"{kind} forward only, {impl}, 8x2048", f"{rate:,.0f}" if rate else "-",
                          f"MFU on active parameters {mfu:.1%}" if mfu else r[impl].get("error", "")))
-        for batch_tokens in (32768, 65536):
+        for batch_tokens in map(int, args.moe_batch_tokens.split(",")):
             cfg = ExtractConfig(target=str(work / kind), data=[str(work / "moe.jsonl")], out=str(work / "moe-cache"),
-                                layers=[1, 3], token_budget=8192, max_docs=64, batch_size=64, batch_tokens=batch_tokens,
-                                device=DEVICE)
+                                layers=[1, 3], token_budget=8192, max_docs=64, batch_tokens=batch_tokens, device=DEVICE)
             warm_up(cfg)
             first = timed_extract(cfg)  # a process's first full extraction ran its forwards up to 2x slower
             ex = timed_extract(cfg)
@@ -400,6 +398,8 @@ def main():
     p.add_argument("--tokens", type=int, default=1_000_000)
     p.add_argument("--gdn-tokens", type=int, default=2_000_000)
     p.add_argument("--moe-tokens", type=int, default=1_000_000)
+    p.add_argument("--moe-impls", default="grouped_mm,eager,batched_mm", help="moe part: experts implementations timed")
+    p.add_argument("--moe-batch-tokens", default="32768,65536", help="moe part: tokens per forward of the extractions")
     p.add_argument("--storage", default="bf16", help="gdn part: the cache storage (fp8 halves the writer's bytes)")
     p.add_argument("--fla-dir", default="/tmp/fla",
                    help="the folder fla was installed into (hidden from the torch run)")

@@ -76,7 +76,7 @@ class ExtractConfig(_Checked):
     """D: most documents packed into one shard."""
     max_len: int | None = None
     """Documents longer than this are truncated (and counted). None: T."""
-    batch_size: int = 16
+    batch_size: int = 32
     """Most documents (padded rows) in one target forward."""
     batch_tokens: int = 32768
     """Most padded tokens (rows x longest row) in one target forward."""

@@ -251,18 +251,32 @@ def _docs_for(cfg, tokenizer, cache, windows, docs: dict[int, Doc]) -> dict[int,
     return docs
 
 
+# A forward's fixed cost (launches, per-layer work that does not scale with rows), in padded tokens: the
+# batching below trades one more forward for at least this much less padding.
+FORWARD_COST_TOKENS = 1024
+
+
 def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
-    """Group documents, longest first, into forwards of <= batch_size rows and <= batch_tokens padded
-    tokens. Sorting by length keeps padding small. Row counts are powers of two: some of fla's
-    GatedDeltaNet kernels autotune once per batch size, so few distinct sizes matter."""
+    """Group documents into forwards of <= batch_size rows and <= batch_tokens padded tokens (rows x the
+    longest row), each batch's longest row first. Documents are sorted by length and cut into
+    consecutive batches that minimise padded tokens + FORWARD_COST_TOKENS per forward (exact, by
+    dynamic programming over the cut points), so rows of similar length share a forward."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, i = [], 0
-    while i < len(order):
-        fit = max(1, min(batch_size, batch_tokens // lengths[order[i]], len(order) - i))
-        rows = 1 << (fit.bit_length() - 1)
-        batches.append(order[i : i + rows])
-        i += rows
-    return batches
+    n = [lengths[i] for i in order]  # descending
+    cost = [0] + [None] * len(n)  # cost[j]: the best cost of the first j documents
+    start = [0] * (len(n) + 1)  # start[j]: where the last batch of that best split begins
+    for j in range(1, len(n) + 1):
+        for i in range(j - 1, max(j - batch_size, 0) - 1, -1):  # the last batch is documents i..j-1
+            if (j - i) * n[i] > batch_tokens and i < j - 1:
+                break  # wider rows only get worse (one row always fits: batch_tokens >= any length)
+            c = cost[i] + (j - i) * n[i] + FORWARD_COST_TOKENS
+            if cost[j] is None or c < cost[j]:
+                cost[j], start[j] = c, i
+    batches, j = [], len(n)
+    while j > 0:
+        batches.append(order[start[j] : j])
+        j = start[j]
+    return batches[::-1]
 
 
 # -- the extraction loop --------------------------------------------------------------------------------

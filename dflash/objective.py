@@ -106,30 +106,60 @@ def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Ten
     return torch.cat([context_mask(anchors, lay, block_size), a[:, None] == a[None, :]], dim=1)
 
 
-_mask_builder = None
+SPARSE_BLOCK = 128  # flex_attention's tile: the block mask says which [128 queries x 128 keys] tiles to visit
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, 1, R, C] bool -> per row the number of true columns [1, 1, R] and the columns, true ones first,
+    each group ascending [1, 1, R, C] (int32): flex_attention's block-list layout. A cumsum and a scatter,
+    not torch's stable argsort, which Inductor (torch <= 2.12) turns into a Triton sorting network that
+    takes minutes to compile at some shapes."""
+    d = dense.to(torch.int32).contiguous()
+    num = d.sum(-1)
+    rank = torch.where(dense, d.cumsum(-1) - 1, num[..., None] + (1 - d).cumsum(-1) - 1)  # where each column goes
+    cols = torch.arange(d.shape[-1], device=d.device, dtype=torch.int32).expand_as(d)
+    return num.to(torch.int32), torch.empty_like(d).scatter_(-1, rank.long(), cols)
 
 
 def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The BlockMask of `dense_mask` for flex_attention, built from each query's two key intervals (its
+    document's context before its anchor, and its own block) at tile granularity: the same tensors as
+    `create_block_mask(mask_mod, 1, 1, A*B, T + A*B)`, without evaluating the mask per element and without
+    a sort, so the compiled step neither materialises [A*B, T+A*B] nor compiles a sorting network."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-    T, A, B = lay.doc_id.shape[0], anchors.shape[0], block_size
+    T, A, B, R = lay.doc_id.shape[0], anchors.shape[0], block_size, SPARSE_BLOCK
+    Q, KV = A * B, T + A * B
+    Qb, KVb = -(-Q // R), -(-KV // R)
     doc_id, anchor_doc = lay.doc_id, lay.doc_id[anchors]
 
-    def mask_mod(b, h, q, kv):
+    def mask_mod(b, h, q, kv):  # applied by the kernel inside partial tiles
         a = q // B
         in_ctx = kv < T
         ctx_ok = (doc_id[kv.clamp(max=T - 1)] == anchor_doc[a]) & (kv < anchors[a])
         return torch.where(in_ctx, ctx_ok, (kv - T) // B == a)
 
-    global _mask_builder
-    build = create_block_mask
-    if anchors.is_cuda and not torch.compiler.is_compiling():
-        # outside a compiled step (eager GPU) the build is compiled alone: eagerly it would materialise
-        # [A*B, T+A*B] index tensors
-        if _mask_builder is None:
-            _mask_builder = torch.compile(create_block_mask, dynamic=False)
-        build = _mask_builder
-    return build(mask_mod, 1, 1, A * B, T + A * B, device=anchors.device)
+    q = torch.arange(Qb * R, device=anchors.device)  # [Qb*R] queries, padded to whole tiles
+    real_q = (q < Q)[:, None]
+    a = (q // B).clamp(max=A - 1)
+    anchor = anchors[a]
+    lo = torch.stack([anchor - lay.pos[anchor], T + a * B], -1)[:, None, :]  # [Qb*R, 1, 2]: context, own block
+    hi = torch.stack([anchor, T + a * B + B], -1)[:, None, :]
+    tile_lo = torch.arange(KVb, device=anchors.device)[None, :, None] * R  # [1, KVb, 1]
+    tile_hi = tile_lo + R
+    sees_some = ((lo < hi) & (lo < tile_hi.clamp(max=KV)) & (hi > tile_lo)).any(-1) & real_q  # [Qb*R, KVb]
+    sees_all = ((lo <= tile_lo) & (tile_hi <= hi)).any(-1) & real_q  # the two intervals never touch
+    sees_some = sees_some.view(Qb, R, KVb).any(1)  # [Qb, KVb] per tile
+    sees_all = sees_all.view(Qb, R, KVb).all(1)
+    partial = (sees_some & ~sees_all)[None, None]  # [1, 1, Qb, KVb]
+    full = sees_all[None, None]
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=(Q, KV), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_kv_num,
+                     full_kv_indices=full_kv_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(R, R), mask_mod=mask_mod)
 
 
 def sdpa_attention(mask: torch.Tensor):

@@ -16,6 +16,7 @@ from dflash.objective import (
     default_gamma,
     dense_mask,
     drafter_loss,
+    flex_block_mask,
     head_cross_entropy,
     layout,
     make_blocks,
@@ -170,6 +171,47 @@ def test_anchor_sampling_leaves_no_sort_for_the_compiler():
     gm = make_fx(lambda v: sample_anchors(v, 512))(torch.rand(4096) > 0.3)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert any("topk" in o for o in ops) and not any("sort" in o for o in ops), ops
+
+
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("T, doc_lens, A, block_size", [
+    (3072, (1000, 900, 700, 400), 64, 16),  # whole tiles
+    (1000, (300, 2, 450, 200), 40, 10),  # T and A*B not multiples of 128; B does not divide 128
+    (384, (384,), 24, 128),  # blocks as wide as a tile: full tiles inside a block
+    (700, (50, 600), 7, 3),  # one query tile
+])
+def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size):
+    """Every tensor of the BlockMask built from intervals equals torch's, built by evaluating the mask
+    per element, so the kernels visit the same tiles in the same order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(T)
+    lay = layout(torch.tensor(doc_lens, dtype=torch.int32), T)
+    valid = lay.real.clone()
+    valid[torch.tensor(doc_lens).cumsum(0)[:-1]] = True  # anchors at document starts see no context
+    anchors, _ = sample_anchors(valid, A, g)
+    ours = flex_block_mask(anchors, lay, block_size)
+    theirs = create_block_mask(ours.mask_mod, 1, 1, A * block_size, T + A * block_size, device="cpu")
+    assert ours.seq_lengths == theirs.seq_lengths and ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+    for name in BLOCK_MASK_FIELDS:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    dense = dense_mask(anchors, lay, block_size)
+    assert torch.equal(dense, torch.nn.attention.flex_attention.create_mask(ours.mask_mod, 1, 1, *dense.shape)[0, 0])
+
+
+def test_flex_block_mask_leaves_no_sort_for_the_compiler():
+    """Inductor turns torch's argsort of block indices into a Triton sorting network that takes minutes to
+    compile; the builder uses a cumsum and a scatter instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    lay = layout(torch.tensor([1500, 1572], dtype=torch.int32), 3072)
+    gm = make_fx(lambda a: flex_block_mask(a, lay, 16).kv_indices)(torch.arange(512) * 6)
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("scatter" in o for o in ops) and not any("sort" in o for o in ops), ops
 
 
 def test_blocks_labels_and_weights():

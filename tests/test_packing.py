@@ -39,5 +39,46 @@ def test_make_batches_bounds_rows_and_padded_tokens():
     for b in batches:
         assert len(b) <= 3 and len(b) * max(lengths[i] for i in b) <= 1000
         assert lengths[b[0]] == max(lengths[i] for i in b)
-        assert len(b) in (1, 2), "row counts are powers of two"
-    assert [len(b) for b in make_batches([10] * 13, batch_size=16, batch_tokens=10_000)] == [8, 4, 1]
+    assert make_batches([], batch_size=4, batch_tokens=100) == []
+
+
+def _padded(batches, lengths):
+    return sum(len(b) * lengths[b[0]] for b in batches)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_make_batches_is_the_cheapest_split_of_the_sorted_documents(seed):
+    """Against every split of a small sorted list into consecutive batches (brute force)."""
+    from itertools import combinations
+
+    from dflash.extract import FORWARD_COST_TOKENS
+
+    lengths = np.random.default_rng(seed).integers(100, 3000, 11).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    best = None
+    for k in range(len(order)):
+        for cuts in combinations(range(1, len(order)), k):
+            bs = [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+            if all(len(b) <= 4 and len(b) * lengths[b[0]] <= 6000 for b in bs):
+                c = _padded(bs, lengths) + FORWARD_COST_TOKENS * len(bs)
+                best = c if best is None else min(best, c)
+    got = make_batches(lengths, batch_size=4, batch_tokens=6000)
+    assert _padded(got, lengths) + FORWARD_COST_TOKENS * len(got) == best
+
+
+def test_make_batches_pads_chat_lengths_less_than_filling_each_forward():
+    """Chat-like lengths: cutting where lengths jump pads about half as much as filling every forward to
+    its row or token limit, for a few more forwards."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(700), 0.8, 300), 64, 3072).astype(int).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    greedy, i = [], 0
+    while i < len(order):
+        rows = min(32, 32768 // lengths[order[i]])
+        greedy.append(order[i : i + rows])
+        i += rows
+    got = make_batches(lengths, batch_size=32, batch_tokens=32768)
+    real = sum(lengths)
+    assert _padded(got, lengths) / real - 1 < 0.6 * (_padded(greedy, lengths) / real - 1)
+    assert len(got) < 1.5 * len(greedy)
+    assert all(len(b) <= 32 and len(b) * lengths[b[0]] <= 32768 for b in got)
