@@ -111,14 +111,17 @@ SPARSE_BLOCK = 128  # flex_attention's tile: the block mask says which [128 quer
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, 1, R, C] bool -> per row the number of true columns [1, 1, R] and the columns, true ones first,
-    each group ascending [1, 1, R, C] (int32): flex_attention's block-list layout. A cumsum and a scatter,
-    not torch's stable argsort, which Inductor (torch <= 2.12) turns into a Triton sorting network that
-    takes minutes to compile at some shapes."""
-    d = dense.to(torch.int32).contiguous()
-    num = d.sum(-1)
-    rank = torch.where(dense, d.cumsum(-1) - 1, num[..., None] + (1 - d).cumsum(-1) - 1)  # where each column goes
-    cols = torch.arange(d.shape[-1], device=d.device, dtype=torch.int32).expand_as(d)
-    return num.to(torch.int32), torch.empty_like(d).scatter_(-1, rank.long(), cols)
+    each group ascending [1, 1, R, C] (int32): flex_attention's block-list layout. Counted from cumsums
+    (the j-th true column is the number of columns whose running count of trues is <= j), not with torch's
+    stable argsort, which Inductor (torch <= 2.12) turns into a Triton sorting network that takes minutes
+    to compile at some shapes."""
+    d = dense.to(torch.int32)
+    num = d.sum(-1, keepdim=True)  # [1, 1, R, 1]
+    slot = torch.arange(d.shape[-1], device=d.device)[:, None]  # [C, 1]: output position j
+    true_col = (d.cumsum(-1)[..., None, :] <= slot).sum(-1)  # [1, 1, R, C]: the j-th true column
+    false_col = ((1 - d).cumsum(-1)[..., None, :] <= slot - num[..., None]).sum(-1)  # the (j - num)-th false
+    idx = torch.where(slot[:, 0] < num, true_col, false_col)
+    return num[..., 0].to(torch.int32), idx.to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
@@ -231,40 +234,29 @@ def _chunk(hc, weight, yc, wc, need_grad: bool):
 _chunk_region = torch.compiler.nested_compile_region(_chunk)
 
 
-class _HeadCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) over rows, in chunks: the [N, V] logits never exist at once, and
-    the frozen head W gets no gradient. The gradient for h is computed chunk by chunk in the forward
-    (so nothing of the logits is kept) and scaled in the backward."""
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk, region):
-        N = h.shape[0]
-        need_grad = ctx.needs_input_grad[0]
+def head_cross_entropy(h, weight, labels, w, chunk: int = 1024, region: bool = False):
+    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head W.
+    Chunked: the [N, V] logits never exist at once. The gradient for h is computed chunk by chunk with the
+    loss (nothing of the logits is kept) and reaches h through a surrogate term of value 0, so no custom
+    autograd.Function is needed (one in the graph keeps AOT autograd from caching a compiled step).
+    `region`: in a compiled step, the chunk is one nested compile region instead of unrolled copies."""
+    N = h.shape[0]
+    need_grad = h.requires_grad and torch.is_grad_enabled()
+    body = _chunk_region if region else _chunk
+    with torch.no_grad():
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(N, dtype=torch.bool, device=h.device)
         grad = torch.empty_like(h) if need_grad else None
-        body = _chunk_region if region else _chunk
         for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph (`region`: calls of one)
             loss, correct[i : i + chunk], g = body(h[i : i + chunk], weight, labels[i : i + chunk], w[i : i + chunk],
                                                    need_grad)
             total = total + loss
             if need_grad:
                 grad[i : i + chunk] = g
-        ctx.mark_non_differentiable(correct)
-        if need_grad:
-            ctx.save_for_backward(grad)
-        return total, correct
-
-    @staticmethod
-    def backward(ctx, grad_total, grad_correct):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None
-
-
-def head_cross_entropy(h, weight, labels, w, chunk: int = 1024, region: bool = False):
-    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head.
-    `region`: in a compiled step, the chunk is one nested compile region instead of unrolled copies."""
-    return _HeadCrossEntropy.apply(h, weight, labels, w, chunk, region)
+    if need_grad:
+        surrogate = (h * grad).float().sum()  # d/dh = grad
+        total = total + (surrogate - surrogate.detach())
+    return total, correct
 
 
 @dataclass

@@ -205,13 +205,14 @@ def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size):
 
 def test_flex_block_mask_leaves_no_sort_for_the_compiler():
     """Inductor turns torch's argsort of block indices into a Triton sorting network that takes minutes to
-    compile; the builder uses a cumsum and a scatter instead."""
+    compile; the builder counts with cumsums instead (and no scatter: Inductor on torch 2.11 fails to
+    generate one of them at the 8B drafter's shape)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     lay = layout(torch.tensor([1500, 1572], dtype=torch.int32), 3072)
     gm = make_fx(lambda a: flex_block_mask(a, lay, 16).kv_indices)(torch.arange(512) * 6)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert any("scatter" in o for o in ops) and not any("sort" in o for o in ops), ops
+    assert any("cumsum" in o for o in ops) and not any("sort" in o or "scatter" in o for o in ops), ops
 
 
 def test_blocks_labels_and_weights():
