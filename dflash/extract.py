@@ -8,6 +8,7 @@ dealt round-robin to the ranks, so several torchrun ranks write one cache, each 
 
 from __future__ import annotations
 
+import math
 import queue
 import sys
 import threading
@@ -263,14 +264,14 @@ def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list
     dynamic programming over the cut points), so rows of similar length share a forward."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     n = [lengths[i] for i in order]  # descending
-    cost = [0] + [None] * len(n)  # cost[j]: the best cost of the first j documents
+    cost = [0] + [math.inf] * len(n)  # cost[j]: the best cost of the first j documents
     start = [0] * (len(n) + 1)  # start[j]: where the last batch of that best split begins
     for j in range(1, len(n) + 1):
         for i in range(j - 1, max(j - batch_size, 0) - 1, -1):  # the last batch is documents i..j-1
             if (j - i) * n[i] > batch_tokens and i < j - 1:
                 break  # wider rows only get worse (one row always fits: batch_tokens >= any length)
             c = cost[i] + (j - i) * n[i] + FORWARD_COST_TOKENS
-            if cost[j] is None or c < cost[j]:
+            if c < cost[j]:
                 cost[j], start[j] = c, i
     batches, j = [], len(n)
     while j > 0:

@@ -60,8 +60,8 @@ def sample_anchors(valid: torch.Tensor, num_anchors: int, generator=None) -> tup
     which of them are real ([A] bool: fewer valid positions than A leaves some slots unused)."""
     scores = torch.rand(valid.shape[0], device=valid.device, generator=generator)
     scores = torch.where(valid, scores, -1.0)
-    # ascending by a second topk, not sort: Inductor turns a sort of <= 512 elements into a Triton sorting
-    # network that takes minutes to compile, while topk stays one library call
+    # ascending by a second topk, not sort: Inductor lowers a sort of <= 512 elements to a Triton sorting
+    # network (slow to compile), while topk stays one library call
     anchors = scores.topk(num_anchors).indices.topk(num_anchors, largest=False).values
     return anchors, valid[anchors]
 
@@ -150,7 +150,7 @@ def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
     hi = torch.stack([anchor, T + a * B + B], -1)[:, None, :]
     tile_lo = torch.arange(KVb, device=anchors.device)[None, :, None] * R  # [1, KVb, 1]
     tile_hi = tile_lo + R
-    sees_some = ((lo < hi) & (lo < tile_hi.clamp(max=KV)) & (hi > tile_lo)).any(-1) & real_q  # [Qb*R, KVb]
+    sees_some = ((lo < hi) & (lo < tile_hi) & (hi > tile_lo)).any(-1) & real_q  # [Qb*R, KVb]; hi <= KV
     sees_all = ((lo <= tile_lo) & (tile_hi <= hi)).any(-1) & real_q  # the two intervals never touch
     sees_some = sees_some.view(Qb, R, KVb).any(1)  # [Qb, KVb] per tile
     sees_all = sees_all.view(Qb, R, KVb).all(1)

@@ -164,8 +164,8 @@ def test_anchor_sampling_is_uniform_over_valid_positions_and_fixed_size():
 
 
 def test_anchor_sampling_leaves_no_sort_for_the_compiler():
-    """Inductor compiles a sort of <= 512 elements into a Triton sorting network, minutes of compile at
-    A = 512; the sampler keeps to topk, which stays one library call."""
+    """Inductor compiles a sort of <= 512 elements into a Triton sorting network, slow to compile; the
+    sampler keeps to topk, which stays one library call."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(lambda v: sample_anchors(v, 512))(torch.rand(4096) > 0.3)
