@@ -91,3 +91,23 @@ def test_device_map_on_the_gpu_equals_one_device(tmp_path, small_data):
         assert np.array_equal(a[name], b[name]), name
     assert rel_err(bf16_bits_to_float(b["hidden"]), bf16_bits_to_float(a["hidden"])) < 1e-2
     assert (a["target_ids"] == b["target_ids"]).mean() > 0.99
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_moe_default_experts_on_the_gpu_write_the_states_of_the_eager_loop(tmp_path, model_type):
+    """An MoE target's default experts implementation (grouped_mm, one grouped matmul for all experts) writes
+    the cache that transformers' eager loop over experts writes, on the GPU in bf16."""
+    target = tiny_target(model_type, tmp_path / model_type)
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(20, 20))
+    caches = {}
+    for impl in ("auto", "eager"):
+        result = run_in_process(extract_args(data, tmp_path / impl, target=target, layers="0,1,3", device="cuda",
+                                             experts_implementation=impl))
+        assert result.exit_code == 0, result.output
+        assert f"MoE experts: {'grouped_mm' if impl == 'auto' else 'eager'}" in result.output
+        caches[impl] = read_arrays(tmp_path / impl)
+    fast, loop = caches["auto"], caches["eager"]
+    assert np.array_equal(fast["input_ids"], loop["input_ids"])
+    assert rel_err(bf16_bits_to_float(fast["hidden"]), bf16_bits_to_float(loop["hidden"])) < 2e-2
+    used = loop["input_ids"] != 0
+    assert (fast["target_ids"][used] == loop["target_ids"][used]).mean() > 0.9
