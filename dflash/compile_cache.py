@@ -63,11 +63,14 @@ def environment(device: torch.device) -> dict:
 
 
 def cache_counts() -> dict[str, int]:
-    """Inductor's graph-cache hits and misses so far in this process (a miss is a graph compiled anew)."""
+    """Inductor's graph-cache hits and misses so far in this process (a miss is a graph compiled anew), and
+    AOT autograd's hits and bypasses (a bypass retraces the joint graph even when every graph then hits)."""
     from torch._dynamo.utils import counters
 
     return {"hits": counters["inductor"].get("fxgraph_cache_hit", 0),
-            "misses": counters["inductor"].get("fxgraph_cache_miss", 0)}
+            "misses": counters["inductor"].get("fxgraph_cache_miss", 0),
+            "autograd_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
+            "autograd_bypasses": counters["aot_autograd"].get("autograd_cache_bypass", 0)}
 
 
 class StepArtifacts:
@@ -109,17 +112,20 @@ class StepArtifacts:
         """After the first step: say how long it compiled, keep the artifacts if anything was compiled anew
         (a cold run, or a warm one torch still missed on). Returns the record for the metrics log."""
         log = log or self.log
-        now = cache_counts()
-        misses = now["misses"] - self._before["misses"]
+        now = {k: v - self._before[k] for k, v in cache_counts().items()}
+        misses = now["misses"]
         how = self.state
         if self.state == "warm" and misses:
             how = f"warm, {misses} graphs compiled anew"
+        elif self.state == "warm" and now["autograd_bypasses"]:
+            how = "warm, the joint graph retraced: AOT autograd's cache was bypassed"
         kept = self.enabled and self.may_save and (self.state == "cold" or misses) and self._supported() \
             and self._save(log)
         log(f"compiled the training step ({how}) in {seconds:.1f}s" + (f"; kept for the next run: {self.path}"
                                                                        if kept else ""))
-        return {"compile": self.state, "compile_s": round(seconds, 3),
-                "compile_cache_hits": now["hits"] - self._before["hits"], "compile_cache_misses": misses}
+        return {"compile": self.state, "compile_s": round(seconds, 3), "compile_cache_hits": now["hits"],
+                "compile_cache_misses": misses, "autograd_cache_hits": now["autograd_hits"],
+                "autograd_cache_bypasses": now["autograd_bypasses"]}
 
     # -- the file -------------------------------------------------------------------------------------------
 

@@ -144,7 +144,8 @@ def rank_schedule(train: list[int], cfg: TrainConfig, d: Dist, start: int, total
 
 
 class LossModule(torch.nn.Module):
-    """The drafter with its loss as forward: what torch.compile and DDP wrap."""
+    """The drafter with its loss as forward: what torch.compile and DDP wrap (`autocast`: the step runs
+    under bf16 autocast, see `wrap_step`)."""
 
     def __init__(self, drafter: Drafter, cfg: TrainConfig, attention: str, autocast: bool,
                  scale_block: int | None = None):
@@ -159,12 +160,9 @@ class LossModule(torch.nn.Module):
         if hidden_scale is not None:  # inside the compiled step: fuses into the copy that feeds fc
             hidden = fp8.dequantize(hidden, hidden_scale, self.scale_block,
                                     torch.bfloat16 if self.autocast else self.drafter.fc.weight.dtype)
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
-            out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask,
-                               target_ids.long(), doc_lens,
-                               num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
-                               attention=self.attention, ce_chunk=self.cfg.ce_chunk,
-                               ce_region=self.cfg.compile_regions)
+        out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask, target_ids.long(),
+                           doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
+                           attention=self.attention, ce_chunk=self.cfg.ce_chunk, ce_region=self.cfg.compile_regions)
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys
 
 
@@ -203,7 +201,7 @@ class Setup:
     total: int  # steps of the whole schedule
     drafter: Drafter
     optimizer: torch.optim.Optimizer
-    loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked
+    loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked, under autocast on GPU
     compiled: bool
     artifacts: StepArtifacts | None = None  # the compiled step's artifacts (None: not compiled)
 
@@ -263,7 +261,21 @@ def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.devic
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
                                                            broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
-    return (torch.compile(module, **COMPILE_OPTIONS) if compiled else module), compiled
+    step = torch.compile(module, **COMPILE_OPTIONS) if compiled else module
+    return (Autocast(step) if module.autocast else step), compiled
+
+
+class Autocast(torch.nn.Module):
+    """`step` under bf16 autocast, entered outside the compiled graph: an autocast region traced into the
+    graph keeps AOT autograd from caching it (torch >= 2.13), and a warm start would then retrace."""
+
+    def __init__(self, step: torch.nn.Module):
+        super().__init__()
+        self.step = step
+
+    def forward(self, **inputs):
+        with torch.autocast("cuda", torch.bfloat16):
+            return self.step(**inputs)
 
 
 def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:

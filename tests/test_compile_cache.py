@@ -224,6 +224,7 @@ def test_torch_artifacts_make_a_second_process_warm(tmp_path):
     assert warm["handed"] == [header["payload_sha256"]]
     assert hashlib.sha256(blob.split(b"\n", 2)[2]).hexdigest() == header["payload_sha256"]
     assert warm["record"]["compile_cache_hits"] > 0 and warm["record"]["compile_cache_misses"] == 0
+    assert warm["record"]["autograd_cache_hits"] == 1 and warm["record"]["autograd_cache_bypasses"] == 0
     assert warm["lines"] == [f"compiled the training step (warm) in {warm['record']['compile_s']:.1f}s"]
     assert Path(cold["path"]).read_bytes() == blob  # not rewritten
 
@@ -302,4 +303,5 @@ def test_a_second_compiled_run_on_the_gpu_starts_warm(tmp_path):
     cold, warm = records
     assert cold["compile"] == "cold" and cold["compile_cache_misses"] > 0
     assert warm["compile"] == "warm" and warm["compile_cache_misses"] == 0 and warm["compile_cache_hits"] > 0
+    assert warm["autograd_cache_hits"] == 1 and warm["autograd_cache_bypasses"] == 0  # the joint graph not retraced
     assert warm["compile_s"] < cold["compile_s"]
