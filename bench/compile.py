@@ -173,6 +173,7 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     res = json.loads(line[len("RESULT "):])
     res["process_s"] = time.perf_counter() - t0
     res["breakdown"] = breakdown(res.pop("compile_times"))
+    res["artifact_bytes"] = sum(f.stat().st_size for f in (dirs["dflash"] / "compile").glob("*.bin"))
     return res
 
 

@@ -6,6 +6,7 @@ AOT autograd's graphs, autotuning results) as one blob per process; here one blo
 `$DFLASH_CACHE_DIR/compile/<key>.bin` (default `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`). The key
 hashes everything that changes the artifacts; the file's header repeats the key's fields and the payload's
 sha256, so a file that is corrupt, cut short or for another key is named and ignored before torch sees it.
+The folder keeps the KEEP most recently used files (written or loaded).
 Nothing here stops a run: an unreadable or unwritable cache is a one-line warning and the step compiles
 cold.
 """
@@ -26,6 +27,7 @@ from dflash.files import write_bytes_atomic
 
 MAGIC = b"dflash compile artifacts\n"
 FORMAT = 1
+KEEP = 32  # files kept in the folder; the least recently used go first
 
 
 def cache_root() -> Path:
@@ -106,6 +108,11 @@ class StepArtifacts:
             if info is None:
                 self.log(f"warning: torch could not read the compile artifacts in {self.path}; compiling cold")
         self.state = "warm" if info is not None else "cold"
+        if self.state == "warm":
+            try:
+                os.utime(self.path)  # used now: the last to be evicted
+            except OSError:
+                pass
         return self.state
 
     def finish(self, seconds: float, log=None) -> dict:
@@ -194,4 +201,17 @@ class StepArtifacts:
             log(f"warning: cannot keep the compile artifacts in {self.path} ({e.strerror or e}); the next run "
                 f"compiles cold too (set DFLASH_CACHE_DIR to a writable folder)")
             return False
+        evict(self.path.parent, KEEP)
         return True
+
+
+def evict(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently used artifact files (written or loaded) in `folder`."""
+    def used(f: Path) -> float:
+        try:
+            return f.stat().st_mtime
+        except OSError:  # gone meanwhile (another process evicting)
+            return float("inf")
+
+    for f in sorted(folder.glob("*.bin"), key=used, reverse=True)[keep:]:
+        f.unlink(missing_ok=True)

@@ -171,6 +171,21 @@ def test_disabled_reads_and_writes_nothing(tmp_path, monkeypatch):
     assert fake.loaded == [] and len(fake.saved) == 1 and lines == ["compiled the training step (cold) in 1.0s"]
 
 
+def test_the_folder_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
+    """Beyond KEEP files, a save deletes the least recently used ones; loading a file counts as using it."""
+    monkeypatch.setattr(compile_cache, "KEEP", 3)
+    FakeTorch(monkeypatch)
+    arts = []
+    for i in range(3):
+        art, _ = cold_then_saved(tmp_path, {"T": i})
+        os.utime(art.path, (1000 + i, 1000 + i))  # written in the order 0, 1, 2
+        arts.append(art)
+    assert StepArtifacts({"T": 0}, CPU, root=tmp_path).load(lambda line: None) == "warm"  # 0 used last now
+    cold_then_saved(tmp_path, {"T": 3})  # a fourth: the least recently used (1) goes
+    kept = {f.name for f in (tmp_path / "compile").glob("*.bin")}
+    assert kept == {arts[0].path.name, arts[2].path.name, StepArtifacts({"T": 3}, CPU, root=tmp_path).path.name}
+
+
 def test_the_cache_folder_is_dflash_cache_dir_else_xdg_else_home(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
