@@ -254,7 +254,7 @@ def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> 
 def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[torch.nn.Module, bool]:
     """The step as it runs, and whether it is compiled: in DDP over several ranks, then compiled
     (reduce-overhead: CUDA graphs) on GPU or when asked. The one place compilation is applied."""
-    cuda = device.type == "cuda"
+    cuda, autocast = device.type == "cuda", module.autocast
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step
@@ -262,7 +262,7 @@ def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.devic
                                                            broadcast_buffers=False)
     compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
     step = torch.compile(module, **COMPILE_OPTIONS) if compiled else module
-    return (Autocast(step) if module.autocast else step), compiled
+    return (Autocast(step) if autocast else step), compiled
 
 
 class Autocast(torch.nn.Module):
