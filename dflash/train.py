@@ -291,7 +291,7 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
             "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,
             "regions": cfg.compile_regions, "world": d.world,
-            "code": source_hash(drafter_module, objective, fp8, LossModule)}
+            "code": source_hash(drafter_module, objective, fp8, LossModule, Autocast)}
 
 
 def resume(s: Setup, log) -> int:
