@@ -21,6 +21,8 @@ vocab 4096):
     source bench/setup_device.sh || exit; python3 bench/compile.py --out $OUT --shapes 8b-3072,tiny-4096
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --set triton.autotune_pointwise=False   # a knob
     python3 bench/compile.py --out $OUT --shapes 8b-12288 --train compile_regions=true   # a TrainConfig field
+    python3 bench/compile.py --out $OUT --shapes tiny-4096 --flex bwd_num_stages=2   # a flex kernel option
+    python3 bench/compile.py --out $OUT --shapes tiny-4096 --conditions cold --kernel-times   # per-kernel compile s
     python bench/compile.py --smoke --out /tmp/compile-smoke      # toy widths on the CPU (compile="yes")
 """
 
@@ -88,6 +90,7 @@ def child(args) -> None:
 
     from torch._dynamo.utils import compile_times, counters
 
+    import dflash.objective as objective
     import dflash.train as trainlib
 
     bypass: list[str] = []  # why AOT autograd's cache was bypassed (a warm start then retraces the joint graph)
@@ -108,6 +111,10 @@ def child(args) -> None:
         for p in path:
             obj = getattr(obj, p)
         setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))
+    for kv in args.flex:  # flex_attention kernel options, e.g. bwd_num_stages=2
+        key, value = kv.split("=", 1)
+        objective.FLEX_KERNEL_OPTIONS[key] = json.loads(value)
+    kernels = kernel_compiles(args.kernel_times)
     _, _, num_layers, _, _, anchors, _ = SHAPES[args.child]
     device = "cpu" if args.smoke else "cuda"
     step_s: list[float] = []
@@ -129,12 +136,69 @@ def child(args) -> None:
     overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.train)}
     res = run(args.child, Path(args.cache), Path(args.work), anchors, args.steps, "yes", 5, device=device,
               num_layers=num_layers, **overrides)
+    if kernels.per_kernel:
+        kernels.save_slowest(Path(args.out) / f"{args.child}-slowest-kernels")
     keys, values = compile_times(repr="csv", aggregate=True)
     caches = {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()
               if "cache" in k}
     res.update(step_s_first3=step_s, compile_times={k: float(v) for k, v in zip(keys, values)}, set=args.set,
-               train=args.train, caches=caches, aot_cache_bypass=bypass)
+               train=args.train, caches=caches, aot_cache_bypass=bypass, flex=args.flex, kernels=kernels.summary())
     print("RESULT " + json.dumps(res), flush=True)
+
+
+class KernelCompiles:
+    """Triton kernels Inductor asked for: how many were compiled in this process because the worker pool
+    was not ready yet (each blocks codegen), and with `per_kernel` (compile_threads = 1: every kernel
+    compiled here, one after another) each kernel's compile seconds."""
+
+    def __init__(self):
+        self.in_process, self.in_process_s, self.submitted, self.per_kernel, self.sources = 0, 0.0, 0, {}, {}
+
+    def save_slowest(self, folder: Path, n: int = 8) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, _ in sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:n]:
+            (folder / f"{name[:120]}.py").write_text(self.sources.get(name, ""))
+
+    def summary(self) -> dict:
+        top = sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:15]
+        return {"in_process": self.in_process, "in_process_s": round(self.in_process_s, 2),
+                "submitted": self.submitted, "per_kernel_total_s": round(sum(self.per_kernel.values()), 2),
+                "per_kernel_top": [[k, round(v, 2)] for k, v in top]}
+
+
+def kernel_compiles(per_kernel: bool) -> KernelCompiles:
+    from torch._inductor import async_compile
+    from torch._inductor.runtime import triton_heuristics
+
+    rec = KernelCompiles()
+    if per_kernel:
+        torch._inductor.config.compile_threads = 1
+        precompile = triton_heuristics.CachingAutotuner.precompile
+
+        def timed_precompile(self, *a, **k):
+            t0 = time.perf_counter()
+            out = precompile(self, *a, **k)
+            name = self.inductor_meta.get("kernel_name") or getattr(self.fn, "__name__", "?")
+            rec.per_kernel[name] = rec.per_kernel.get(name, 0.0) + time.perf_counter() - t0
+            rec.sources[name] = getattr(self.fn, "src", "")
+            return out
+
+        triton_heuristics.CachingAutotuner.precompile = timed_precompile
+    triton = async_compile.AsyncCompile.triton
+
+    def counted_triton(self, kernel_name, source_code, *a, **k):
+        parallel = async_compile.AsyncCompile.use_process_pool()
+        t0 = time.perf_counter()
+        out = triton(self, kernel_name, source_code, *a, **k)
+        if parallel:
+            rec.submitted += 1
+        else:
+            rec.in_process += 1
+            rec.in_process_s += time.perf_counter() - t0
+        return out
+
+    async_compile.AsyncCompile.triton = counted_triton
+    return rec
 
 
 # -- the parent: conditions, breakdown, table ---------------------------------------------------------
@@ -159,7 +223,8 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     torch_dir = dirs["torch"] if condition != "carried" else dirs["torch_carried"]
     env.update(TORCHINDUCTOR_CACHE_DIR=str(torch_dir / "inductor"), TRITON_CACHE_DIR=str(torch_dir / "triton"),
                DFLASH_CACHE_DIR=str(dirs["dflash"]))
-    knobs = [x for s in args.set for x in ("--set", s)] + [x for s in args.train for x in ("--train", s)]
+    knobs = ([x for s in args.set for x in ("--set", s)] + [x for s in args.train for x in ("--train", s)]
+             + [x for s in args.flex for x in ("--flex", s)] + ["--kernel-times"] * args.kernel_times)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", shape, "--cache", str(cache), "--work",
            str(args.work), "--steps", str(args.steps), "--out", str(args.out), *knobs,
            *(["--smoke"] if args.smoke else [])]
@@ -186,6 +251,9 @@ def main():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--set", action="append", default=[], help="an Inductor config knob for every run: KEY=VALUE")
     p.add_argument("--train", action="append", default=[], help="a TrainConfig field for every run: KEY=JSON")
+    p.add_argument("--flex", action="append", default=[], help="a flex_attention kernel option: KEY=JSON")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="diagnosis: compile every Triton kernel in the process, one at a time, and time each")
     p.add_argument("--child-timeout", type=float, default=560)
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -199,7 +267,8 @@ def main():
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     device = "cpu" if args.smoke else "cuda"
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "torch": torch.__version__, "set": args.set, "train": args.train}
+           "torch": torch.__version__, "set": args.set, "train": args.train, "flex": args.flex,
+           "kernel_times": args.kernel_times}
     rows = []
     for shape in shapes:
         cache = make_cache(shape, work, device)

@@ -216,6 +216,8 @@ class Drafter(nn.Module):
         # the target's, frozen: buffers so that optimizers, state_dict and DDP leave them alone
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach(), persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # `cache_rope`'s tables [P, head_dim]
+        self.register_buffer("rope_sin", None, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -226,6 +228,19 @@ class Drafter(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def cache_rope(self, positions: int) -> None:
+        """Keep the RoPE tables of positions 0 .. positions-1 for a compiled step to read (`rope`)."""
+        self.rope_cos, self.rope_sin = rope_tables(torch.arange(positions, device=self.fc.weight.device),
+                                                   self.cfg.head_dim, self.cfg.rope_theta)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] of positions [n]. A compiled step reads them from `cache_rope`'s tables
+        (its positions must be below their size): computed in the graph, Inductor recomputes sin and cos
+        in every kernel that applies RoPE, and those kernels take seconds each to compile."""
+        if self.rope_cos is not None and torch.compiler.is_compiling():
+            return self.rope_cos[positions], self.rope_sin[positions]
+        return rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, L, H] captured target states -> [T, H] context features."""
@@ -239,7 +254,7 @@ class Drafter(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys/values of context features ctx [T, H] at positions ctx_pos [T]."""
-        rope_ctx = rope_tables(ctx_pos, self.cfg.head_dim, self.cfg.rope_theta)
+        rope_ctx = self.rope(ctx_pos)
         return [layer.self_attn.kv(ctx, *rope_ctx) for layer in self.layers]
 
     def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
@@ -250,11 +265,10 @@ class Drafter(nn.Module):
         values, `ctx_kv`, as `context_kv` makes them: what decoding caches); block_ids, block_pos [N]:
         the block tokens (anchor, MASK, ...) and their positions; attend(q, k, v): attention with the
         mask that says which of the T + N keys each of the N queries sees."""
-        cfg = self.cfg
         if ctx_kv is None:
             ctx_kv = self.context_kv(ctx, ctx_pos)
         x = self.embed(block_ids).to(ctx_kv[0][0].dtype)  # [N, H]
-        rope_q = rope_tables(block_pos, cfg.head_dim, cfg.rope_theta)
+        rope_q = self.rope(block_pos)
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer(x, kv, rope_q, attend)
         return self.norm(x)

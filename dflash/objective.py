@@ -111,15 +111,19 @@ SPARSE_BLOCK = 128  # flex_attention's tile: the block mask says which [128 quer
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, 1, R, C] bool -> per row the number of true columns [1, 1, R] and the columns, true ones first,
-    each group ascending [1, 1, R, C] (int32): flex_attention's block-list layout. Counted from cumsums
-    (the j-th true column is the number of columns whose running count of trues is <= j), not with torch's
-    stable argsort, which Inductor (torch <= 2.12) turns into a Triton sorting network that takes minutes
-    to compile at some shapes."""
+    each group ascending [1, 1, R, C] (int32): flex_attention's block-list layout. Counted, not sorted: the
+    j-th true column is the number of columns whose running count of trues is <= j. Plain sums only
+    (C is the number of key or query tiles, ~T/128): torch's stable argsort becomes a Triton sorting network
+    that takes minutes to compile at some shapes (torch <= 2.12), and a cumsum a scan kernel that takes
+    seconds."""
     d = dense.to(torch.int32)
+    col = torch.arange(d.shape[-1], device=d.device)
     num = d.sum(-1, keepdim=True)  # [1, 1, R, 1]
-    slot = torch.arange(d.shape[-1], device=d.device)[:, None]  # [C, 1]: output position j
-    true_col = (d.cumsum(-1)[..., None, :] <= slot).sum(-1)  # [1, 1, R, C]: the j-th true column
-    false_col = ((1 - d).cumsum(-1)[..., None, :] <= slot - num[..., None]).sum(-1)  # the (j - num)-th false
+    trues = (d[..., None, :] * (col[None, :] <= col[:, None])).sum(-1)  # [1, 1, R, C]: trues in columns <= c
+    falses = col + 1 - trues
+    slot = col[:, None]  # [C, 1]: output position j
+    true_col = (trues[..., None, :] <= slot).sum(-1)  # [1, 1, R, C]: the j-th true column
+    false_col = (falses[..., None, :] <= slot - num[..., None]).sum(-1)  # the (j - num)-th false
     idx = torch.where(slot[:, 0] < num, true_col, false_col)
     return num[..., 0].to(torch.int32), idx.to(torch.int32, memory_format=torch.contiguous_format)
 
@@ -197,6 +201,8 @@ def eager_attention(anchors: torch.Tensor, lay: Layout, block_size: int):
 
 
 _flex_kernel = None
+# BACKEND TRITON: the training kernel even when few queries would pick the decoding one
+FLEX_KERNEL_OPTIONS = {"BACKEND": "TRITON"}
 
 
 def flex_attention_fn(block_mask):
@@ -212,8 +218,7 @@ def flex_attention_fn(block_mask):
         kernel = _flex_kernel
 
     def attend(q, k, v):
-        # BACKEND TRITON: the training kernel even when few queries would pick the decoding one
-        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "TRITON"})
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=dict(FLEX_KERNEL_OPTIONS))
     return attend
 
 

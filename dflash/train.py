@@ -223,6 +223,7 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
+    drafter.cache_rope(cache.token_budget + dcfg.block_size)  # every position of a shard's context and blocks
     lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
     module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-from dflash.drafter import Drafter, DrafterConfig
+from dflash.drafter import Drafter, DrafterConfig, rope_tables
 from dflash.naive import naive_loss
 from dflash.objective import (
     block_attention,
@@ -203,16 +203,16 @@ def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size):
     assert torch.equal(dense, torch.nn.attention.flex_attention.create_mask(ours.mask_mod, 1, 1, *dense.shape)[0, 0])
 
 
-def test_flex_block_mask_leaves_no_sort_for_the_compiler():
+def test_flex_block_mask_leaves_no_sort_or_scan_for_the_compiler():
     """Inductor turns torch's argsort of block indices into a Triton sorting network that takes minutes to
-    compile; the builder counts with cumsums instead (and no scatter: Inductor on torch 2.11 fails to
-    generate one of them at the 8B drafter's shape)."""
+    compile, and a cumsum into a scan kernel that takes seconds; the builder counts with plain sums instead
+    (and no scatter: Inductor on torch 2.11 fails to generate one of them at the 8B drafter's shape)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     lay = layout(torch.tensor([1500, 1572], dtype=torch.int32), 3072)
     gm = make_fx(lambda a: flex_block_mask(a, lay, 16).kv_indices)(torch.arange(512) * 6)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert any("cumsum" in o for o in ops) and not any("sort" in o or "scatter" in o for o in ops), ops
+    assert any("sum" in o for o in ops) and not any(x in o for o in ops for x in ("sort", "scatter", "cumsum")), ops
 
 
 def test_blocks_labels_and_weights():
@@ -268,6 +268,36 @@ def test_chunked_cross_entropy_compiled_as_one_region_matches_eager():
     total2.backward()
     assert rel_err(total2.detach(), total.detach()) < 1e-6 and rel_err(h2.grad, h.grad) < 1e-6
     assert torch.equal(correct2, correct)
+
+
+def test_compiled_step_reads_rope_from_the_cached_tables():
+    """After `cache_rope`, a compiled step looks RoPE up (no sin or cos left for Inductor to recompute in
+    every kernel) with the loss and gradients of the eager step; eagerly RoPE is still computed, for any
+    position (decoding goes past the tables)."""
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    shard, anchors = random_shard(seed=4), torch.tensor([1, 5, 12, 33, 40, 57, 61, 70])
+    model = tiny_drafter(seed=4)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, attention="dense", anchors=anchors).loss
+        loss.backward()
+        return loss.detach(), grads(model)
+
+    ref_loss, ref = step()
+    model.cache_rope(96 + B)
+    torch._dynamo.reset()
+    loss, got = torch.compile(step, backend=recording_backend)()
+    assert rel_err(loss, ref_loss) < 1e-6 and all(rel_err(got[n], ref[n]) < 1e-5 for n in ref)
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    assert ops and not any("sin" in o or "cos" in o for o in ops), ops
+    far = torch.tensor([0, 96 + B + 50])
+    assert all(torch.equal(a, b) for a, b in zip(model.rope(far), rope_tables(far, 16, 10000.0)))
 
 
 def test_replay_cycles_follows_decoding_order():
