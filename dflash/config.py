@@ -197,10 +197,10 @@ class TrainConfig(_Checked):
     GPU) starts warm. `--no-compile-cache`: every run compiles cold."""
     ce_chunk: int = 1024
     """Rows of logits computed at once by the chunked cross-entropy."""
-    compile_regions: bool = False
+    compile_regions: bool = True
     """Compiled step: the cross-entropy's chunk is compiled once and called for every chunk
-    (torch.compiler.nested_compile_region) instead of unrolled into one copy per chunk: a shorter cold
-    compile, the same result. Experimental (off until measured on GPUs)."""
+    (torch.compiler.nested_compile_region) instead of unrolled into one copy per chunk: the same result,
+    a shorter cold compile and a lower peak memory for large drafters. `--no-compile-regions`: unrolled."""
     prefetch: int = 3
     """Shards read ahead into pinned memory."""
     follow: bool = False
