@@ -242,6 +242,12 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     return res
 
 
+def host_cpu() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    return {"model": model, "cores": len(os.sched_getaffinity(0))}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -267,6 +273,7 @@ def main():
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     device = "cpu" if args.smoke else "cuda"
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "host_cpu": host_cpu(),  # the compile is CPU-bound: machines of one GPU kind differ by up to 1.5x
            "torch": torch.__version__, "set": args.set, "train": args.train, "flex": args.flex,
            "kernel_times": args.kernel_times}
     rows = []
