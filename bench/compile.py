@@ -154,13 +154,16 @@ class KernelCompiles:
     def __init__(self):
         self.in_process, self.in_process_s, self.submitted, self.per_kernel, self.sources = 0, 0.0, 0, {}, {}
 
+    def slowest(self, n: int) -> list[tuple[str, float]]:
+        return sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:n]
+
     def save_slowest(self, folder: Path, n: int = 8) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        for name, _ in sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:n]:
+        for name, _ in self.slowest(n):
             (folder / f"{name[:120]}.py").write_text(self.sources.get(name, ""))
 
     def summary(self) -> dict:
-        top = sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:15]
+        top = self.slowest(15)
         return {"in_process": self.in_process, "in_process_s": round(self.in_process_s, 2),
                 "submitted": self.submitted, "per_kernel_total_s": round(sum(self.per_kernel.values()), 2),
                 "per_kernel_top": [[k, round(v, 2)] for k, v in top]}
