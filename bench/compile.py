@@ -23,14 +23,18 @@ vocab 4096):
     python3 bench/compile.py --out $OUT --shapes 8b-12288 --train compile_regions=true   # a TrainConfig field
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --flex bwd_num_stages=2   # a flex kernel option
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --conditions cold --kernel-times   # per-kernel compile s
+    python3 bench/compile.py --out $OUT --shapes 8b-12288 --conditions cold --profile   # where the CPU time goes
     python bench/compile.py --smoke --out /tmp/compile-smoke      # toy widths on the CPU (compile="yes")
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -134,8 +138,14 @@ def child(args) -> None:
 
     trainlib.train_step = timed_step
     overrides = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.train)}
+    profile = cProfile.Profile() if args.profile else None
+    if profile:
+        profile.enable()
     res = run(args.child, Path(args.cache), Path(args.work), anchors, args.steps, "yes", 5, device=device,
               num_layers=num_layers, **overrides)
+    if profile:
+        profile.disable()
+        save_profile(profile, Path(args.out) / f"{args.child}-profile.txt")
     if kernels.per_kernel:
         kernels.save_slowest(Path(args.out) / f"{args.child}-slowest-kernels")
     keys, values = compile_times(repr="csv", aggregate=True)
@@ -144,6 +154,14 @@ def child(args) -> None:
     res.update(step_s_first3=step_s, compile_times={k: float(v) for k, v in zip(keys, values)}, set=args.set,
                train=args.train, caches=caches, aot_cache_bypass=bypass, flex=args.flex, kernels=kernels.summary())
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def save_profile(profile: cProfile.Profile, path: Path, n: int = 60) -> None:
+    """The run's Python profile: the top functions by own time, then by cumulative time."""
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(n)
+    path.write_text(text.getvalue())
 
 
 class KernelCompiles:
@@ -227,7 +245,8 @@ def run_child(shape: str, cache: Path, condition: str, args, dirs: dict) -> dict
     env.update(TORCHINDUCTOR_CACHE_DIR=str(torch_dir / "inductor"), TRITON_CACHE_DIR=str(torch_dir / "triton"),
                DFLASH_CACHE_DIR=str(dirs["dflash"]))
     knobs = ([x for s in args.set for x in ("--set", s)] + [x for s in args.train for x in ("--train", s)]
-             + [x for s in args.flex for x in ("--flex", s)] + ["--kernel-times"] * args.kernel_times)
+             + [x for s in args.flex for x in ("--flex", s)] + ["--kernel-times"] * args.kernel_times
+             + ["--profile"] * args.profile)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", shape, "--cache", str(cache), "--work",
            str(args.work), "--steps", str(args.steps), "--out", str(args.out), *knobs,
            *(["--smoke"] if args.smoke else [])]
@@ -263,6 +282,9 @@ def main():
     p.add_argument("--flex", action="append", default=[], help="a flex_attention kernel option: KEY=JSON")
     p.add_argument("--kernel-times", action="store_true",
                    help="diagnosis: compile every Triton kernel in the process, one at a time, and time each")
+    p.add_argument("--profile", action="store_true",
+                   help="diagnosis: profile the run's Python (cProfile: slows the compile; one condition) into "
+                        "<shape>-profile.txt")
     p.add_argument("--child-timeout", type=float, default=560)
     p.add_argument("--smoke", action="store_true", help="toy widths on the CPU: checks this script")
     p.add_argument("--child", help=argparse.SUPPRESS)
