@@ -19,7 +19,7 @@ vocab 4096):
   tiny-1024 the embedded preset's 2 layers, T = 1024, 128 anchors
 
     source bench/setup_device.sh || exit; python3 bench/compile.py --out $OUT --shapes 8b-3072,tiny-4096
-    python3 bench/compile.py --out $OUT --shapes tiny-4096 --set triton.autotune_pointwise=False   # a knob
+    python3 bench/compile.py --out $OUT --shapes tiny-4096 --set triton.autotune_pointwise=True   # a compile option
     python3 bench/compile.py --out $OUT --shapes 8b-12288 --train compile_regions=true   # a TrainConfig field
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --flex bwd_num_stages=2   # a flex kernel option
     python3 bench/compile.py --out $OUT --shapes tiny-4096 --conditions cold --kernel-times   # per-kernel compile s
@@ -108,13 +108,9 @@ def child(args) -> None:
     aot_log.addHandler(Bypass())
     aot_log.setLevel(logging.INFO)
 
-    for kv in args.set:  # Inductor knobs to try, e.g. triton.autotune_pointwise=False
+    for kv in args.set:  # Inductor knobs to try, e.g. triton.autotune_pointwise=True: the step's compile options
         key, value = kv.split("=", 1)
-        obj = torch._inductor.config
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))
+        trainlib.COMPILE_OPTIONS["options"][key] = json.loads(value.lower() if value in ("True", "False") else value)
     for kv in args.flex:  # flex_attention kernel options, e.g. bwd_num_stages=2
         key, value = kv.split("=", 1)
         objective.FLEX_KERNEL_OPTIONS[key] = json.loads(value)

@@ -235,6 +235,12 @@ def _chunk(hc, weight, yc, wc, need_grad: bool):
     return loss, correct, ((p * wc[:, None]).to(weight.dtype) @ weight).to(hc.dtype)
 
 
+def ce_rows(vocab_size: int, budget_bytes: int = 5 << 28) -> int:
+    """The cross-entropy's default chunk: the most rows, a power of two, whose float32 logits fit in
+    `budget_bytes` (1.25 GiB). Each chunk is one more call the compiler traces and schedules."""
+    return 1 << max(0, (budget_bytes // (4 * vocab_size)).bit_length() - 1)
+
+
 # compiled once and called for every chunk: an unrolled chunk has its own offsets baked into its kernels
 _chunk_region = torch.compiler.nested_compile_region(_chunk)
 

@@ -18,6 +18,7 @@ import torch
 from conftest import REPO, run_in_process
 from dflash import compile_cache
 from dflash.compile_cache import MAGIC, StepArtifacts, cache_root
+from dflash.objective import ce_rows
 
 PRESET = str(REPO / "configs" / "tiny.toml")
 CPU = torch.device("cpu")
@@ -288,6 +289,9 @@ def test_train_says_cold_or_warm_and_records_it(tmp_path, small_cache, monkeypat
     out, records = train("d", "--no-compile-cache")
     assert "compiling the training step (cold) …" in out and records[0]["compile"] == "cold"
     assert len(fake.loaded) == 1 and len(fake.saved) == 2
+
+    out, records = train("e", "--ce-chunk", str(ce_rows(4096)))  # the default chunk at the tiny vocabulary, spelled out
+    assert "compiling the training step (warm) …" in out and len(fake.loaded) == 2
 
 
 def test_an_uncompiled_run_logs_no_compile(tmp_path, small_cache):

@@ -72,6 +72,7 @@ def test_a_toml_integer_is_a_float_and_a_bool_is_no_integer(tmp_path):
     (ExtractConfig, {"experts_implementation": "loop"}, "--experts-implementation must be one of"),
     (ExtractConfig, {"out": ""}, "no output: pass --out"),
     (TrainConfig, {"block_size": 1}, "--block-size must be >= 2"),
+    (TrainConfig, {"ce_chunk": -1}, "--ce-chunk must be >= 0"),
     (TrainConfig, {"warmup": 1.5}, "--warmup is a fraction"),
     (TrainConfig, {"compile": "maybe"}, "--compile must be one of auto, yes, no"),
     (RegenerateConfig, {"batch_size": 0}, "--batch-size must be >= 1"),

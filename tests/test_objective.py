@@ -12,6 +12,7 @@ from dflash.drafter import Drafter, DrafterConfig, rope_tables
 from dflash.naive import naive_loss
 from dflash.objective import (
     block_attention,
+    ce_rows,
     context_mask,
     default_gamma,
     dense_mask,
@@ -252,6 +253,14 @@ def test_chunked_head_cross_entropy_matches_full_logits():
     ref.backward()
     assert rel_err(total.detach(), ref.detach()) < 1e-6 and rel_err(h.grad, h2.grad) < 1e-5
     assert torch.equal(correct, logits.argmax(-1) == y)
+
+
+@pytest.mark.parametrize("vocab_size,rows", [(151936, 2048), (128256, 2048), (262144, 1024), (4096, 65536)])
+def test_the_default_cross_entropy_chunk_is_the_most_rows_whose_logits_fit_the_budget(vocab_size, rows):
+    budget = 5 << 28
+    assert ce_rows(vocab_size) == rows and rows & (rows - 1) == 0
+    assert rows * vocab_size * 4 <= budget < 2 * rows * vocab_size * 4
+    assert ce_rows(budget) == 1  # a vocabulary too large for the budget still gets rows of one
 
 
 def test_chunked_cross_entropy_compiled_as_one_region_matches_eager():
