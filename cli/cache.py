@@ -88,7 +88,7 @@ def verify(path):
 @user_errors
 def ls(root):
     """List the caches under ROOT."""
-    from dflash.cache import disk_bytes, find_caches, info as cache_info
+    from dflash.cache import find_caches, info as cache_info
 
     rows = []
     for p in find_caches(root):
@@ -96,7 +96,7 @@ def ls(root):
         m = i["manifest"]
         rows.append((str(p), m["target"]["name"] or m["target"]["path"], ",".join(map(str, m["layer_ids"])),
                      str(m["token_budget"]), f"{i['shards']['committed']}/{i['shards']['total']}",
-                     f"{i['tokens']['committed']:,}", _size(disk_bytes(p)), m["cache_key"]))
+                     f"{i['tokens']['committed']:,}", _size(i["bytes_on_disk"]), m["cache_key"]))
     if not rows:
         click.echo(f"no caches under {root}")
         return

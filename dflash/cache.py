@@ -408,8 +408,14 @@ class Cache:
 # -- inspection (cache info / verify / ls) -------------------------------------------------------------
 
 
-def disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def disk_bytes(path: Path) -> dict[str, int]:
+    """Bytes on disk under each top-level entry of `path` (a file counts under its own name): one walk."""
+    sizes: dict[str, int] = {}
+    for p in path.rglob("*"):
+        if p.is_file():
+            top = p.relative_to(path).parts[0]
+            sizes[top] = sizes.get(top, 0) + p.stat().st_size
+    return sizes
 
 
 def info(path: str | Path) -> dict:
@@ -419,9 +425,10 @@ def info(path: str | Path) -> dict:
     records = [cache.commit_record(s) for s in cache.committed()]
     S, T = m["num_shards"], m["token_budget"]
     done_tokens = sum(r["tokens"] for r in records)
-    size = disk_bytes(cache.path)
-    side = sum((cache.path / f).stat().st_size for f in (WEIGHTS_FILE, TARGET_CONFIG_FILE))
-    states = sum(disk_bytes(cache.path / name) for name in cache.layer_arrays)
+    sizes = disk_bytes(cache.path)
+    size = sum(sizes.values())
+    side = sizes.get(WEIGHTS_FILE, 0) + sizes.get(TARGET_CONFIG_FILE, 0)
+    states = sum(sizes.get(name, 0) for name in cache.layer_arrays)
     return {
         "path": str(cache.path),
         "cache_key": m["cache_key"],

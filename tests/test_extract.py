@@ -222,6 +222,9 @@ def test_cache_info_and_ls(cache_dir):
     weights_bytes = 2 * TINY_VOCAB * TINY_HIDDEN * 2  # the target's embeddings + LM head, bf16
     assert hidden_bytes / i["fill_ratio"] < i["bytes_per_token"] < (
         1.5 * hidden_bytes / i["fill_ratio"] + 1.1 * weights_bytes / m["stats"]["tokens"])
+    assert i["bytes_on_disk"] == sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    hidden_on_disk = sum(p.stat().st_size for p in (cache_dir / "hidden").rglob("*") if p.is_file())
+    assert i["state_bytes_per_token"] == hidden_on_disk / i["tokens"]["committed"]
     out = run_in_process(["cache", "info", str(cache_dir), "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["cache_key"] == m["cache_key"]
     text = run_in_process(["cache", "info", str(cache_dir)]).output
