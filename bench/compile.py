@@ -273,7 +273,7 @@ def main():
     p.add_argument("--shapes", default="8b-12288,8b-3072,tiny-4096")
     p.add_argument("--conditions", default=",".join(CONDITIONS), help=f"any of {', '.join(CONDITIONS)}")
     p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--set", action="append", default=[], help="an Inductor config knob for every run: KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], help="a compile option of the step for every run: KEY=VALUE")
     p.add_argument("--train", action="append", default=[], help="a TrainConfig field for every run: KEY=JSON")
     p.add_argument("--flex", action="append", default=[], help="a flex_attention kernel option: KEY=JSON")
     p.add_argument("--kernel-times", action="store_true",

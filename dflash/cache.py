@@ -408,7 +408,7 @@ class Cache:
 # -- inspection (cache info / verify / ls) -------------------------------------------------------------
 
 
-def disk_bytes(path: Path) -> dict[str, int]:
+def disk_bytes_by_entry(path: Path) -> dict[str, int]:
     """Bytes on disk under each top-level entry of `path` (a file counts under its own name): one walk."""
     sizes: dict[str, int] = {}
     for p in path.rglob("*"):
@@ -425,7 +425,7 @@ def info(path: str | Path) -> dict:
     records = [cache.commit_record(s) for s in cache.committed()]
     S, T = m["num_shards"], m["token_budget"]
     done_tokens = sum(r["tokens"] for r in records)
-    sizes = disk_bytes(cache.path)
+    sizes = disk_bytes_by_entry(cache.path)
     size = sum(sizes.values())
     side = sizes.get(WEIGHTS_FILE, 0) + sizes.get(TARGET_CONFIG_FILE, 0)
     states = sum(sizes.get(name, 0) for name in cache.layer_arrays)
