@@ -6,7 +6,10 @@ cache code:
   a. shards of T = 12288 (4 x 3072-token documents), 2048 anchors;
   b. shards of T = 3072 (one document), 512 anchors;
   c. chat-like rows (lognormal length, median 700, sigma 0.8, clipped to [64, 3072], the first 15-35 %
-     an unsupervised prompt) packed into T = 12288 shards, 2048 anchors: useful draft tokens/s.
+     an unsupervised prompt) packed into T = 12288 shards, 2048 anchors: useful draft tokens/s;
+  a-dpace: a with the D-PACE loss; a-w2048: a with a 2048-token sliding window;
+  long, long-w2048, long-w2048-causal: one 12288-token document per shard, 2048 anchors, full attention
+     vs a 2048-token window (whole / causal block).
 Each compiled (reduce-overhead) for `--steps` steps, plus a few eager steps of a and b for the ratio.
 Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key
 count), first-step time, recompiles, peak memory, input wait.
@@ -32,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash import cache as cachelib, fp8  # noqa: E402
-from dflash.config import TrainConfig  # noqa: E402
+from dflash.config import TrainConfig, build_config  # noqa: E402
 from dflash.packing import plan_shards  # noqa: E402
 from dflash.train import train  # noqa: E402
 
@@ -41,13 +44,20 @@ QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads
             "rope_theta": 1000000.0, "max_position_embeddings": 40960, "model_type": "qwen3",
             "dflash_mask_token_id": 151669}
 LAYERS = [1, 9, 17, 25, 33]
-# run: (result key, cache, anchors, steps (None: --steps / --eager-steps), compile, log every)
-PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5),
-         "b": ("b_T3072", "c3072", 512, None, "yes", 5),
-         "c": ("c_chat", "cchat", 2048, None, "yes", 5),
-         "a-eager": ("a_eager", "c12288", 2048, None, "no", 2),
-         "b-eager": ("b_eager", "c3072", 512, None, "no", 2),
-         "a-profile": ("a_profile", "c12288", 2048, 10, "yes", 5)}
+# run: (result key, cache, anchors, steps (None: --steps / --eager-steps), compile, log every, TrainConfig fields)
+WINDOW = {"sliding_window": 2048}
+PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
+         "b": ("b_T3072", "c3072", 512, None, "yes", 5, {}),
+         "c": ("c_chat", "cchat", 2048, None, "yes", 5, {}),
+         "a-eager": ("a_eager", "c12288", 2048, None, "no", 2, {}),
+         "b-eager": ("b_eager", "c3072", 512, None, "no", 2, {}),
+         "a-profile": ("a_profile", "c12288", 2048, 10, "yes", 5, {}),
+         "a-dpace": ("a_T12288_dpace", "c12288", 2048, None, "yes", 5, {"loss": "dpace"}),
+         "a-w2048": ("a_T12288_w2048", "c12288", 2048, None, "yes", 5, WINDOW),
+         "long": ("long_T12288", "clong", 2048, None, "yes", 5, {}),
+         "long-w2048": ("long_T12288_w2048", "clong", 2048, None, "yes", 5, WINDOW),
+         "long-w2048-causal": ("long_T12288_w2048_causal", "clong", 2048, None, "yes", 5,
+                               {**WINDOW, "causal_block": True})}
 
 
 def log(*a):
@@ -134,9 +144,10 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
     record; `overrides`: other TrainConfig fields."""
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = TrainConfig(cache=str(cache), out=str(out), num_layers=num_layers, num_anchors=anchors, block_size=16,
-                      max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
-                      holdout_shards=0, epochs=1000, device=device, **overrides)
+    cfg = build_config(TrainConfig, None, "train", dict(
+        cache=str(cache), out=str(out), num_layers=num_layers, num_anchors=anchors, block_size=16, max_steps=steps,
+        log_every=log_every, save_every=10**9, compile=compile_, holdout_shards=0, epochs=1000, device=device,
+        **overrides))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -185,7 +196,8 @@ def main():
     n_long = 4 * 6  # 6 shards of 4 x 3072
     caches = {"c12288": (np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8),
               "c3072": (np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1),
-              "cchat": (lens, masks, 12288, 64)}
+              "cchat": (lens, masks, 12288, 64),
+              "clong": (np.full(6, 12288), [np.ones(12288, np.uint8)] * 6, 12288, 1)}
     runs = ["smoke"] if args.smoke else args.runs.split(",")
     unknown = [r for r in runs if r not in PLANS and not args.smoke]
     if unknown:
@@ -196,15 +208,17 @@ def main():
     log(f"synthetic caches written in {time.perf_counter() - t0:.0f}s")
     if args.smoke:  # the run path too, eagerly on the CPU
         run("smoke", work / "cchat", work, 64, 6, "no", 2, device="cpu")
+        run("smoke-dpace-window", work / "clong", work, 64, 4, "no", 2, device="cpu", loss="dpace",
+            sliding_window=256, causal_block=True)
         return
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in runs:
-        key, c, anchors, steps, compile_, every = PLANS[name]
+        key, c, anchors, steps, compile_, every, fields = PLANS[name]
         if steps is None:
             steps = args.steps if compile_ == "yes" else args.eager_steps
         try:
             with profiled(out / f"profile_{key}.txt") if name.endswith("profile") else contextlib.nullcontext():
-                res[key] = run(name, work / c, work, anchors, steps, compile_, every)
+                res[key] = run(name, work / c, work, anchors, steps, compile_, every, **fields)
         except Exception as e:  # keep going: one device call should tell as much as it can
             traceback.print_exc()
             res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}

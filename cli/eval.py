@@ -22,8 +22,9 @@ from dflash_cli.options import IntList, field_option
 def evaluate(drafter, cache, shards, max_shards, device, as_json):
     """Offline acceptance length tau of a drafter against the target's recorded predictions.
 
-    tau replays decoding (a cycle per accepted block, as `dflash spec` counts); tau_anchors is the mean
-    over every anchor."""
+    Decoding is replayed document by document (a verify step per block, as `dflash spec` counts): tau is
+    pooled over all verify steps (as vLLM and SGLang log it), tau_per_request the mean of each document's;
+    tau_walk is the mean over every anchor (the walk SpecForge logs in training)."""
     from dflash.evaluate import evaluate as run
 
     result = run(drafter, cache, shards, device, max_shards)
@@ -31,6 +32,7 @@ def evaluate(drafter, cache, shards, max_shards, device, as_json):
         click.echo(json.dumps(result))
         return
     slots = " ".join(f"{p:.2f}" for p in result["per_slot"])
-    click.echo(f"tau {result['tau']:.3f} over {result['cycles']} decoding cycles of {result['block_size']} "
-               f"({len(result['shards'])} shards; mean over all {result['blocks']} anchors: "
-               f"{result['tau_anchors']:.3f})\nacceptance by slot: {slots}")
+    click.echo(f"tau {result['tau']:.3f} pooled over {result['cycles']} verify steps of {result['block_size']} "
+               f"({len(result['shards'])} shards); {result['tau_per_request']:.3f} mean over {result['documents']} "
+               f"documents; walk {result['tau_walk']:.3f} over all {result['blocks']} anchors\n"
+               f"acceptance by slot: {slots}")

@@ -1,4 +1,5 @@
-"""Click options generated from the config dataclasses (`dflash.config`): one option per field, named after
+"""Click options generated from the config dataclasses (`dflash.config`): one option per field (a nested
+config's fields flattened in: `option_fields`), named after
 it (`token_budget` -> `--token-budget`), typed by its hint (`Literal[...]` -> a choice, `list[int]` -> a
 comma list, `list[str]` -> a repeatable option, `bool` -> a flag; `--x/--no-x` when it is on by default),
 its docstring as the help text and its default as the shown default.
@@ -16,7 +17,7 @@ from typing import Literal
 
 import click
 
-from dflash.config import field_docs, option, type_hints
+from dflash.config import field_docs, option, option_fields, type_hints
 
 
 class IntList(click.ParamType):
@@ -37,9 +38,9 @@ def config_options(cls: type, section: str):
     """Decorator: `--config PRESET` (passed as `preset`) and an option for every field of `cls`."""
 
     def decorate(fn):
-        docs = field_docs(cls)
-        for f in reversed(dataclasses.fields(cls)):  # click lists options in the order they are declared
-            fn = click.option(_decl(f), **_option_kwargs(f, type_hints(cls)[f.name], docs.get(f.name, "")))(fn)
+        for owner, f in reversed(option_fields(cls).values()):  # click lists options in the order declared
+            fn = click.option(_decl(f), **_option_kwargs(f, type_hints(owner)[f.name],
+                                                        field_docs(owner).get(f.name, "")))(fn)
         return click.option("--config", "preset", type=click.Path(dir_okay=False),
                             help=f"TOML preset; its [{section}] table gives defaults, options override it.")(fn)
 
@@ -48,8 +49,8 @@ def config_options(cls: type, section: str):
 
 def field_option(cls: type, name: str):
     """One field of `cls` as an option of a command that takes no preset: the field's default is the option's."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    kwargs = _option_kwargs(f, type_hints(cls)[name], field_docs(cls).get(name, ""))
+    owner, f = option_fields(cls)[name]
+    kwargs = _option_kwargs(f, type_hints(owner)[name], field_docs(owner).get(name, ""))
     return click.option(_decl(f), **{**kwargs, "default": f.default})
 
 

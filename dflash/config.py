@@ -27,6 +27,7 @@ from dflash.errors import DflashError
 ComputeDtype = Literal["auto", "bf16", "fp16", "fp32"]
 Storage = Literal["bf16", "fp8"]
 ExpertsImplementation = Literal["auto", "grouped_mm", "batched_mm", "eager"]
+FROM_TARGET = {"from_target": True}  # a field resolved from the target or the cache, never an option
 
 
 class _Checked:
@@ -125,17 +126,23 @@ class ExtractConfig(_Checked):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(_Checked):
-    """Everything `dflash train` needs. Drafter widths left at None are copied from the target's config."""
+class DrafterConfig(_Checked):
+    """The drafter's shape: what a run trains and an export describes. Fields left at None are resolved from
+    the target (`resolve_drafter`): widths as the target's own, hidden and vocabulary sizes as it has them,
+    the target layers as the cache holds them. Its fields are options of `dflash train` (`--num-layers`, ...),
+    and keys of the preset's `[train]` table, except those marked `from_target`."""
 
-    cache: str = ""
-    """The hidden-state cache to train from."""
-    out: str = ""
-    """Run folder: config, checkpoints, metrics. Running again on it resumes."""
-    layers: list[int] | None = None
-    """Target layers the drafter reads (a subset of the cache's). None: all of the cache's."""
     num_layers: int = 5
     """Drafter depth."""
+    block_size: int = 16
+    """B: tokens per draft block (the anchor and B-1 MASK tokens)."""
+    sliding_window: int | None = None
+    """Attend to the last W positions only (W >= B): block slot k of an anchor at position a sees context
+    positions p > a + k - W; bounds the drafter's KV cache and attention cost on long contexts. None: the
+    whole context before the anchor."""
+    causal_block: bool = False
+    """Slot k of a block sees slots 0..k of it only (else the whole block). With --sliding-window this is how
+    SGLang, vLLM and the reference model serve `sliding_attention` layers by default: export it anywhere."""
     intermediate_size: int | None = None
     """Drafter MLP width (None: the target's dense MLP width, else 3 x hidden)."""
     num_attention_heads: int | None = None
@@ -143,15 +150,96 @@ class TrainConfig(_Checked):
     num_key_value_heads: int | None = None
     """Key/value heads (None: the target's)."""
     head_dim: int | None = None
-    """Head width (None: the target's)."""
+    """Head width (None: the target's, else hidden / heads)."""
     rope_theta: float | None = None
     """RoPE base (None: the target's)."""
-    block_size: int = 16
-    """B: tokens per draft block."""
+    mask_token_id: int | None = None
+    """The MASK token id (None: `dflash_mask_token_id` of the target's config)."""
+    hidden_size: int | None = field(default=None, metadata=FROM_TARGET)
+    """The target's hidden size (the drafter reads its states and borrows its embeddings and head)."""
+    vocab_size: int | None = field(default=None, metadata=FROM_TARGET)
+    """The target's vocabulary size."""
+    rms_norm_eps: float | None = field(default=None, metadata=FROM_TARGET)
+    """RMSNorm epsilon (the target's, else 1e-6)."""
+    max_position_embeddings: int | None = field(default=None, metadata=FROM_TARGET)
+    """Recorded in the export's config.json (the target's, else 40960); RoPE itself needs no table."""
+    target_layer_ids: list[int] | None = field(default=None, metadata=FROM_TARGET)
+    """Target layers the drafter reads (`--layers`: a subset of the cache's); their count sets fc's input width."""
+
+    def validate(self) -> None:
+        self._at_least(1, "num_layers", "sliding_window", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "head_dim")
+        self._at_least(2, "block_size")
+        self._at_least(0, "mask_token_id")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise DflashError(f"--sliding-window {self.sliding_window} is shorter than the block "
+                              f"(--block-size {self.block_size}): a slot must see its own block")
+
+    def unresolved(self) -> list[str]:
+        """Fields still waiting for the target's value."""
+        optional = ("sliding_window",)  # None is a value of its own
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None and f.name not in optional]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def hf_widths(hf: dict) -> dict:
+    """The Qwen3-style widths of a Hugging Face config.json (a target's text config, or a drafter's), with
+    Qwen3's choices for keys some configs leave out: a 3 x hidden MLP (an MoE target has no dense width),
+    key/value heads = query heads, head_dim = hidden / heads, RMSNorm eps 1e-6, RoPE base 1e6
+    (transformers 5 keeps it in `rope_parameters`), 40960 positions."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    rope = (hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta") or 1e6
+    return {"intermediate_size": hf.get("intermediate_size") or 3 * hidden, "num_attention_heads": heads,
+            "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hidden // heads, "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6,
+            "rope_theta": float(rope), "max_position_embeddings": hf.get("max_position_embeddings") or 40960}
+
+
+def resolve_drafter(drafter: DrafterConfig, target: dict, *, hidden_size: int, vocab_size: int,
+                    target_layer_ids: list[int]) -> DrafterConfig:
+    """The drafter over the target of this Hugging Face config.json (its text config, for a multimodal one):
+    `drafter`'s fields left at None take the target's values. The one place a drafter's shape is resolved."""
+    target = target.get("text_config", target)
+    told = {k: v for k, v in dataclasses.asdict(drafter).items() if v is not None}
+    widths = hf_widths({**target, "hidden_size": hidden_size,
+                        **{k: told[k] for k in ("num_attention_heads",) if k in told}})  # head_dim follows heads
+    mask = told.get("mask_token_id", target.get("dflash_mask_token_id"))
+    if mask is None:
+        raise DflashError("--mask-token-id is needed: the target's config names no dflash_mask_token_id")
+    if not 0 <= mask < vocab_size:
+        raise DflashError(f"--mask-token-id {mask} is outside the target's vocabulary (size {vocab_size})")
+    resolved = {**widths, "hidden_size": hidden_size, "vocab_size": vocab_size,
+                "target_layer_ids": list(target_layer_ids), "mask_token_id": mask, **told}
+    resolved.update(hidden_size=hidden_size, vocab_size=vocab_size, target_layer_ids=list(target_layer_ids))
+    return DrafterConfig(**resolved)
+
+
+@dataclass(kw_only=True)
+class TrainConfig(_Checked):
+    """Everything `dflash train` needs: the drafter's shape (`drafter`, resolved against the target), the data,
+    the objective, the schedule and how the step runs."""
+
+    cache: str = ""
+    """The hidden-state cache to train from."""
+    out: str = ""
+    """Run folder: config, checkpoints, metrics. Running again on it resumes."""
+    layers: list[int] | None = None
+    """Target layers the drafter reads (a subset of the cache's). None: all of the cache's."""
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """The drafter's shape; its fields are options (and `[train]` keys) of their own."""
     num_anchors: int = 512
     """A: anchors (blocks) per shard and step."""
+    loss: Literal["dpace", "decay"] = "decay"
+    """Weights of the draft slots in the loss. `decay`: a fixed exp(-(k-1)/gamma) for slot k. `dpace`: D-PACE,
+    each slot weighted by the expected number of accepted drafts it can still contribute to, from the
+    drafter's current per-slot likelihoods (weights carry no gradient)."""
     gamma: float | None = None
-    """Loss decay over block slots (None: 7 for B = 16, 5 for 10, 4 for 8)."""
+    """`--loss decay`: decay over block slots (None: 7 for B = 16, 5 for 10, 4 for 8)."""
+    dpace_alpha: float = 0.5
+    """`--loss dpace`: in (0, 1]; each slot's acceptance estimate is (1 - alpha) exp(-CE) + alpha (1: every
+    slot weighted by its remaining depth)."""
     labels: Literal["target", "data"] = "target"
     """`target`: learn the target's own greedy predictions (what acceptance is measured against);
     `data`: the data's next tokens."""
@@ -216,22 +304,27 @@ class TrainConfig(_Checked):
     def resolved_gamma(self) -> float:
         from dflash.objective import default_gamma
 
-        return default_gamma(self.block_size) if self.gamma is None else self.gamma
+        return default_gamma(self.drafter.block_size) if self.gamma is None else self.gamma
 
     def validate(self) -> None:
         if not self.cache:
             raise DflashError("no cache: pass --cache")
         if not self.out:
             raise DflashError("no run folder: pass --out")
-        self._at_least(1, "num_layers", "num_anchors", "epochs", "save_every", "log_every", "prefetch")
+        self._at_least(1, "num_anchors", "epochs", "save_every", "log_every", "prefetch")
+        if self.layers is not None and (not self.layers or self.layers != sorted(set(self.layers))):
+            raise DflashError(f"--layers must be increasing and distinct, got {self.layers}")
         self._at_least(0, "ce_chunk")
-        self._at_least(2, "block_size")
+        if not 0 < self.dpace_alpha <= 1:
+            raise DflashError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise DflashError(f"--gamma must be > 0, got {self.gamma}")
         if not 0 <= self.warmup < 1:
             raise DflashError(f"--warmup is a fraction of the run in [0, 1), got {self.warmup}")
 
     def identity(self) -> dict:
-        """The fields a resumed run must share with the run it continues."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RUNTIME_FIELDS}
+        """The fields a resumed run must share with the run it continues (the drafter's flattened in)."""
+        return {k: v for k, v in flat_dict(self).items() if k not in self.RUNTIME_FIELDS}
 
 
 @dataclass(kw_only=True)
@@ -319,17 +412,59 @@ def _resolve_path(value: str, base: Path) -> str:
     return str(candidate.resolve())
 
 
+def option_fields(cls: type) -> dict[str, tuple[type, dataclasses.Field]]:
+    """name -> (the class that declares it, the field): every option of `cls`, the fields of a nested config
+    (such as `TrainConfig.drafter`) flattened in, those resolved from the target left out."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(option_fields(hint))
+        elif not f.metadata.get("from_target"):
+            out[f.name] = (cls, f)
+    return out
+
+
+def flat_dict(cfg) -> dict:
+    """The config's values with those of its nested configs flattened in: one key per option."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update({k: v for k, v in flat_dict(value).items() if k in option_fields(type(value))})
+        else:
+            out[f.name] = value
+    return out
+
+
+def nest(cls: type, values: dict) -> dict:
+    """Flat option values (`option_fields`) as the keyword arguments of `cls`: a nested config's own
+    fields gathered into it."""
+    values, out = dict(values), {}
+    for f in dataclasses.fields(cls):
+        hint = type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            own = {k: values.pop(k) for k in list(values) if k in option_fields(hint)}
+            out[f.name] = hint(**nest(hint, own))
+        elif f.name in values:
+            out[f.name] = values.pop(f.name)
+    if values:
+        raise DflashError(f"bad configuration: unknown option(s) {', '.join(sorted(values))}")
+    return out
+
+
 def preset_values(cls: type, preset: str | Path, section: str) -> dict:
-    """`[section]` of the preset as field values of `cls`: keys and types checked (errors name the file),
-    paths resolved against the preset's folder."""
+    """`[section]` of the preset as option values of `cls` (flat: `option_fields`): keys and types checked
+    (errors name the file), paths resolved against the preset's folder."""
     table = load_preset(preset).get(section, {})
     base = Path(preset).resolve().parent
-    hints = type_hints(cls)
+    fields = option_fields(cls)
     values = {}
     for key, value in table.items():
-        if key not in {f.name for f in dataclasses.fields(cls)}:
+        if key not in fields:
             raise DflashError(f"--config {preset}: unknown key {key!r} in [{section}]")
-        value = check_value(key, value, hints[key], where=f"--config {preset}: ")
+        owner, _ = fields[key]
+        value = check_value(key, value, type_hints(owner)[key], where=f"--config {preset}: ")
         if key in _PATH_FIELDS:
             value = [_resolve_path(v, base) for v in value] if isinstance(value, list) else _resolve_path(value, base)
         values[key] = value
@@ -337,12 +472,13 @@ def preset_values(cls: type, preset: str | Path, section: str) -> dict:
 
 
 def build_config(cls: type, preset: str | Path | None, section: str, overrides: dict):
-    """`cls` filled from `[section]` of the preset, then from `overrides` (CLI values that are not None)."""
+    """`cls` filled from `[section]` of the preset, then from `overrides` (CLI values that are not None),
+    both flat (a nested config's fields by their own names)."""
     values = preset_values(cls, preset, section) if preset is not None else {}
     values.update({k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()
                    if v is not None and v != () and v != []})
     try:
-        return cls(**values)
+        return cls(**nest(cls, values))
     except TypeError as e:
         raise DflashError(f"bad configuration: {e}") from None
 
@@ -350,6 +486,14 @@ def build_config(cls: type, preset: str | Path | None, section: str, overrides: 
 def check_value(name: str, value, hint, where: str = ""):
     """`value` if it has type `hint` (an int is accepted, as a float, for a float), else a DflashError naming
     the field (`where`: the preset it came from, else the CLI option)."""
+    if dataclasses.is_dataclass(hint):  # a nested config (e.g. TrainConfig.drafter), as itself or as its dict
+        if isinstance(value, dict):
+            try:
+                return hint(**value)
+            except TypeError as e:
+                raise DflashError(f"{where}{name}: {e}") from None
+        if isinstance(value, hint):
+            return value
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if value is None and type(None) in allowed:
         return None

@@ -12,110 +12,11 @@ The embeddings and the LM head are the target's, frozen (buffers: never trained,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(kw_only=True)
-class DrafterConfig:
-    """Shape of the drafter. `hidden_size` and `vocab_size` are the target's (it borrows them)."""
-
-    num_layers: int = 5
-    """Decoder layers of the drafter."""
-    hidden_size: int = 4096
-    """Must equal the target's hidden size."""
-    intermediate_size: int = 12288
-    """SwiGLU MLP width."""
-    num_attention_heads: int = 32
-    """Query heads."""
-    num_key_value_heads: int = 8
-    """Key/value heads (GQA)."""
-    head_dim: int = 128
-    """Width of one head."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    rope_theta: float = 1_000_000.0
-    """RoPE base (Qwen3: 1e6)."""
-    block_size: int = 16
-    """B: tokens per draft block (the anchor and B-1 MASK tokens)."""
-    target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])
-    """Target layers the drafter reads (a subset of the cache's); their count sets fc's input width."""
-    mask_token_id: int = 0
-    """The MASK token: a token id in the target's vocabulary."""
-    vocab_size: int = 151936
-    """The target's vocabulary size."""
-    max_position_embeddings: int = 40960
-    """Recorded in the export's config.json; RoPE itself needs no table."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    # -- the Hugging Face schema: the one place that maps the drafter to and from config.json ------------
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> DrafterConfig:
-        """The drafter of an exported config.json (`to_hf`'s). Keys that some configs leave out fall back
-        to Qwen3's choices: head_dim = hidden / heads, RoPE base 1e6 (transformers 5 keeps it in
-        `rope_parameters`), 40960 positions, the target's key/value heads, a 3 x hidden MLP."""
-        heads = hf["num_attention_heads"]
-        dflash = hf.get("dflash_config") or {}
-        return cls(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                   intermediate_size=hf.get("intermediate_size") or 3 * hf["hidden_size"],
-                   num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
-                   head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   rope_theta=(hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta") or 1e6,
-                   block_size=hf["block_size"], target_layer_ids=list(dflash["target_layer_ids"]),
-                   mask_token_id=int(dflash["mask_token_id"]), vocab_size=hf["vocab_size"],
-                   max_position_embeddings=hf.get("max_position_embeddings", 40960))
-
-    @classmethod
-    def from_target_config(cls, target: dict, *, hidden_size: int, vocab_size: int, num_layers: int,
-                           block_size: int, target_layer_ids: list[int], mask_token_id: int,
-                           **widths: int | float | None) -> DrafterConfig:
-        """A drafter for the target of this Hugging Face config.json (its text config, for a multimodal one).
-        `widths` (intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rope_theta) left at
-        None are the target's, read as `from_hf` reads a drafter's: the drafter is a Qwen3-style model too.
-        An MoE target without a dense MLP width gets 3 x hidden, the dense Qwen3 ratio."""
-        target = target.get("text_config", target)
-        hf = {**target, **{k: v for k, v in widths.items() if v is not None},
-              "num_hidden_layers": num_layers, "hidden_size": hidden_size, "vocab_size": vocab_size,
-              "block_size": block_size,
-              "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}}
-        if widths.get("rope_theta"):
-            hf["rope_parameters"] = {**(target.get("rope_parameters") or {}), "rope_theta": widths["rope_theta"]}
-        return cls.from_hf(hf)
-
-    def to_hf(self, num_target_layers: int) -> dict:
-        """The config.json of the reference export (what SGLang and vLLM read)."""
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "use_cache": True,
-            "block_size": self.block_size,
-            "num_target_layers": num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
-            "layer_types": ["full_attention"] * self.num_layers,
-        }
+from dflash.config import DrafterConfig
 
 
 class RMSNorm(nn.Module):
@@ -207,6 +108,8 @@ class Drafter(nn.Module):
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
+        if cfg.unresolved():
+            raise ValueError(f"DrafterConfig fields {cfg.unresolved()} are unresolved: see config.resolve_drafter")
         self.cfg = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)

@@ -1,14 +1,25 @@
-"""Drafters on disk: read one from a training run (its latest checkpoint) or from an exported folder, and
-write the export (`dflash export`) in the DFlash reference format that SGLang
-(`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) serve.
+"""Drafters on disk: read one from a training run (its latest checkpoint) or from an exported folder in any of
+the layouts the serving engines load, and write the export (`dflash export`) in either of them.
 
     RUN/config.json, RUN/checkpoints/   a training run (`dflash.checkpoint`): the drafter's config under "drafter"
-    EXPORT/config.json                  the Qwen3 fields + architectures ["DFlashDraftModel"], block_size,
+    EXPORT/config.json                  `--format zlab` (the reference DFlash layout SGLang, vLLM and z-lab's
+                                        DFlashDraftModel load): the Qwen3 fields + architectures
+                                        ["DFlashDraftModel"], block_size (top level and in dflash_config),
                                         num_target_layers, dflash_config {mask_token_id, target_layer_ids},
-                                        layer_types (`DrafterConfig.to_hf` / `from_hf`)
+                                        layer_types, sliding_window.
+                                        `--format speculators` (what vLLM auto-detects): speculators_model_type,
+                                        speculators_config {algorithm, proposal_methods, verifier, ...},
+                                        transformer_layer_config (the Qwen3 fields), aux_hidden_state_layer_ids
+                                        (our layer ids + 1), mask_token_id, block_size, sliding_window_non_causal
     EXPORT/model.safetensors            layers.{i}.*, fc, hidden_norm, norm: no embeddings, no LM head
                                         (the target's are used)
     EXPORT/README.md                    a model card: how to serve it
+
+How the servers attend (read from their loaders): a layer listed as `full_attention` sees the whole block
+(SGLang always; vLLM and the reference unless `is_causal` / `dflash_config.causal` say otherwise); a
+`sliding_attention` layer sees keys p > q - W from each query q, and the block causally (SGLang always: it
+reads no `is_causal`; vLLM and the reference unless told otherwise). An export that a server would attend
+differently from how the drafter was trained is refused (`check_servable`).
 """
 
 from __future__ import annotations
@@ -20,9 +31,153 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash import checkpoint
-from dflash.drafter import Drafter, DrafterConfig
+from dflash.config import DrafterConfig, hf_widths
+from dflash.drafter import Drafter
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error
+
+FORMATS = ("zlab", "speculators")
+
+
+# -- config.json of each layout -------------------------------------------------------------------------
+
+
+def qwen3_fields(cfg: DrafterConfig) -> dict:
+    """The Qwen3 decoder fields every layout carries (what the servers build the layers from)."""
+    sliding = cfg.sliding_window is not None
+    return {
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "layer_types": ["sliding_attention" if sliding else "full_attention"] * cfg.num_layers,
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": sliding,
+        "max_window_layers": cfg.num_layers if sliding else 0,
+    }
+
+
+def to_zlab(cfg: DrafterConfig, num_target_layers: int) -> dict:
+    """The reference layout. `block_size` sits at the top level (what older loaders read) and in
+    dflash_config (what newer ones prefer); `is_causal` is written only where it says what the layer types
+    alone would not (SGLang reads none: `check_servable` refuses those exports)."""
+    hf = {"architectures": ["DFlashDraftModel"], **qwen3_fields(cfg), "block_size": cfg.block_size,
+          "num_target_layers": num_target_layers,
+          "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                            "target_layer_ids": list(cfg.target_layer_ids)}}
+    if cfg.causal_block != (cfg.sliding_window is not None):
+        hf["is_causal"] = cfg.causal_block
+    return hf
+
+
+def to_speculators(cfg: DrafterConfig, num_target_layers: int, verifier: dict) -> dict:
+    """The speculators layout (vLLM detects it by `speculators_config` and no top-level model_type).
+    vLLM counts target layers from the embeddings (its aux id i = our id i - 1) and takes the causality of
+    every layer from `sliding_window_non_causal` (absent or true: the whole block)."""
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
+        "transformer_layer_config": qwen3_fields(cfg),
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "target_hidden_size": cfg.hidden_size,
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": not cfg.causal_block,
+        "sample_from_anchor": False,
+        "num_target_layers": num_target_layers,
+    }
+
+
+def from_hf(hf: dict, where: str = "config.json") -> DrafterConfig:
+    """The drafter of an exported config.json in any layout: the speculators one (`speculators_model_type`),
+    the reference one with `block_size` in dflash_config (newer) or at the top level (older). Causality as
+    the servers resolve it: `is_causal`, else dflash_config.causal, else causal where sliding (speculators:
+    as vLLM reads `sliding_window_non_causal`)."""
+    if "speculators_model_type" in hf:
+        if hf["speculators_model_type"] != "dflash":
+            raise DflashError(f"{where}: a {hf['speculators_model_type']!r} speculator, not a DFlash drafter")
+        layer = hf["transformer_layer_config"]
+        window = _window(layer, {}, where)
+        causal = not hf.get("sliding_window_non_causal", True)  # as vLLM serves it: one causality for all layers
+        return _drafter(layer, where, block_size=hf["block_size"], mask_token_id=hf["mask_token_id"],
+                        target_layer_ids=[i - 1 for i in hf["aux_hidden_state_layer_ids"]], sliding_window=window,
+                        causal_block=causal)
+    dflash = hf.get("dflash_config") or {}
+    if "target_layer_ids" not in dflash:
+        raise DflashError(f"{where}: no dflash_config.target_layer_ids (not a DFlash drafter)")
+    window = _window(hf, dflash, where)
+    causal = hf.get("is_causal", dflash.get("causal", window is not None))
+    return _drafter(hf, where, block_size=dflash.get("block_size", hf.get("block_size", 16)),
+                    mask_token_id=dflash.get("mask_token_id", hf.get("mask_token_id")),
+                    target_layer_ids=dflash["target_layer_ids"], sliding_window=window, causal_block=bool(causal))
+
+
+def _window(hf: dict, dflash: dict, where: str) -> int | None:
+    """The sliding window of every layer, or None; a drafter that mixes layer kinds is refused (dflash trains
+    one kind for all layers)."""
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if dflash.get("use_swa"):
+        kinds = {"sliding_attention"}
+    if kinds - {"full_attention", "sliding_attention"} or len(kinds) > 1:
+        raise DflashError(f"{where}: layer_types {sorted(kinds)}: dflash reads drafters whose layers are all "
+                          f"full_attention or all sliding_attention")
+    if kinds == {"full_attention"}:
+        return None
+    window = dflash.get("swa_window_size", hf.get("sliding_window"))
+    if not window:
+        raise DflashError(f"{where}: sliding_attention layers without a sliding_window")
+    return int(window)
+
+
+def _drafter(hf: dict, where: str, **fields) -> DrafterConfig:
+    if fields["mask_token_id"] is None:
+        raise DflashError(f"{where}: no mask_token_id")
+    try:
+        return DrafterConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                             vocab_size=hf["vocab_size"], **hf_widths(hf), **fields)
+    except KeyError as e:
+        raise DflashError(f"{where}: no {e.args[0]}") from None
+
+
+def check_servable(cfg: DrafterConfig, fmt: str, num_target_layers: int) -> None:
+    """Refuse, in one line, an export a server would run differently from how the drafter was trained."""
+    last = num_target_layers - 1
+    if last in cfg.target_layer_ids:
+        raise DflashError(f"the drafter reads the target's last layer ({last}), which dflash caches after the final "
+                          f"norm (as Hugging Face's hidden_states[{num_target_layers}]) while vLLM and SGLang capture "
+                          f"it before: train on other --layers to serve it")
+    if list(cfg.target_layer_ids) != sorted(set(cfg.target_layer_ids)):
+        raise DflashError(f"target layers {cfg.target_layer_ids} are not increasing: servers concatenate the "
+                          f"target's states in layer order")
+    if fmt == "zlab" and cfg.causal_block != (cfg.sliding_window is not None):
+        how = ("--causal-block without --sliding-window: SGLang serves full_attention layers with the whole block"
+               if cfg.causal_block else
+               "--sliding-window without --causal-block: SGLang serves sliding_attention layers causally inside the "
+               "block (it reads no is_causal)")
+        raise DflashError(f"--format zlab: {how}; export --format speculators (vLLM serves it as trained) or train "
+                          f"with{'out' if cfg.causal_block else ''} --causal-block")
 
 
 def read_run(run: Path, what: str = "") -> tuple[dict, Path]:
@@ -54,9 +209,7 @@ def read_drafter(path: str | Path, what: str = "--drafter") -> tuple[DrafterConf
         ckpt = latest_checkpoint(path, f"{what} {path}")
         info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
         return DrafterConfig(**config["drafter"]), checkpoint.load_weights(ckpt), info
-    if "target_layer_ids" not in (config.get("dflash_config") or {}):
-        raise DflashError(f"{what} {path}: config.json has no dflash_config (not a DFlash drafter)")
-    return DrafterConfig.from_hf(config), load_file(str(path / "model.safetensors")), \
+    return from_hf(config, f"{what} {path}/config.json"), load_file(str(path / "model.safetensors")), \
         {"holdout_shards": [], "cache_key": None}
 
 
@@ -81,31 +234,40 @@ def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, avai
 @torch.no_grad()
 def copy_weights(drafter: Drafter, weights: dict, what: str) -> None:
     for name, p in drafter.named_parameters():
-        if name not in weights:
+        key = name if name in weights else f"model.{name}"  # some checkpoints prefix every name
+        if key not in weights:
             raise DflashError(f"{what}: weights lack {name}")
-        p.copy_(weights[name].to(p.dtype))
+        p.copy_(weights[key].to(p.dtype))
 
 
-def export(run: str | Path, out: str | Path) -> Path:
-    """Write RUN's latest checkpoint to `out` in the reference format; returns `out`."""
+def export(run: str | Path, out: str | Path, fmt: str = "zlab", verifier: str | None = None) -> Path:
+    """Write RUN's latest checkpoint to `out` in layout `fmt` (`FORMATS`); returns `out`. `verifier`: the
+    target's name recorded in a speculators export (default: the cache's target name or path)."""
     run, out = Path(run), Path(out)
+    if fmt not in FORMATS:
+        raise DflashError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     config, ckpt = read_run(run)
     dcfg = DrafterConfig(**config["drafter"])
     target_info = config["cache"].get("target") or (_cache_manifest(config) or {}).get("target")
     if not target_info:
         raise DflashError(f"{run}: the run does not record its target's depth and its cache "
                           f"({config['cache']['path']}) is gone: cannot write num_target_layers")
+    check_servable(dcfg, fmt, target_info["num_layers"])
+    target = verifier or target_info.get("name") or target_info.get("path") or "TARGET"
+    if fmt == "zlab":
+        hf = to_zlab(dcfg, target_info["num_layers"])
+    else:
+        hf = to_speculators(dcfg, target_info["num_layers"],
+                            {"name_or_path": target, "architectures": target_info.get("architectures") or []})
     weights = checkpoint.load_weights(ckpt)
-    target = target_info.get("name") or target_info.get("path") or "TARGET"
-    card = MODEL_CARD.format(target=target, block=dcfg.block_size, layers=dcfg.num_layers, ids=dcfg.target_layer_ids,
-                             mask=dcfg.mask_token_id, step=json.loads((ckpt / "state.json").read_text())["step"],
-                             out=out, spec=dcfg.block_size - 1)
+    step = json.loads((ckpt / "state.json").read_text())["step"]
+    card = model_card(dcfg, fmt, target, out, step)
     with disk_full_is_an_error(out, f"the run {run} is untouched and the export in {out} incomplete",
                                then="it writes the export again"):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
                   str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(dcfg.to_hf(target_info["num_layers"]), indent=2))
+        (out / "config.json").write_text(json.dumps(hf, indent=2))
         (out / "README.md").write_text(card)
     return out
 
@@ -116,12 +278,24 @@ def _cache_manifest(config: dict) -> dict | None:
     return read_manifest(config["cache"]["path"])
 
 
+def model_card(cfg: DrafterConfig, fmt: str, target: str, out: Path, step: int) -> str:
+    attention = ("full attention over the target's context" if cfg.sliding_window is None else
+                 f"a sliding window of {cfg.sliding_window} positions") + \
+        (", causal inside the block" if cfg.causal_block else "")
+    serve = {"zlab": ZLAB_SERVE, "speculators": SPECULATORS_SERVE}[fmt]
+    return MODEL_CARD.format(target=target, block=cfg.block_size, layers=cfg.num_layers, ids=cfg.target_layer_ids,
+                             mask=cfg.mask_token_id, step=step, attention=attention, fmt=fmt,
+                             serve=serve.format(target=target, out=out, spec=cfg.block_size - 1))
+
+
 MODEL_CARD = """# DFlash drafter for {target}
 
-A DFlash block-diffusion drafter ({layers} layers, block size {block}) trained with dflash
-(step {step}). It reads the target's hidden states at layers {ids} and uses the target's own
-embeddings and LM head; MASK token id {mask}.
+A DFlash block-diffusion drafter ({layers} layers, block size {block}, {attention}) trained with dflash
+(step {step}), in the {fmt} layout. It reads the target's hidden states at layers {ids} and uses the
+target's own embeddings and LM head; MASK token id {mask}.
+{serve}"""
 
+ZLAB_SERVE = """
 Serve with SGLang:
 
     python -m sglang.launch_server --model-path {target} \\
@@ -131,3 +305,14 @@ Serve with vLLM:
 
     vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {spec}}}'
 """  # noqa: E501 (the command as a user pastes it)
+
+SPECULATORS_SERVE = """
+Serve with vLLM, which detects the layout (the target is `speculators_config.verifier.name_or_path`, a
+hub id):
+
+    vllm serve {out}
+
+or name the target yourself:
+
+    vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {spec}}}'
+"""  # noqa: E501

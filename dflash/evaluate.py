@@ -2,7 +2,14 @@
 
 For every valid anchor of the evaluated shards, the drafter proposes B-1 tokens greedily; they are
 accepted while they equal the target's own greedy predictions (`target_ids`, recorded at extraction).
-tau = mean accepted + 1 (the target's bonus token), as speculative decoding would count it per block.
+A verify step yields its accepted drafts + 1 (the target's bonus token). Three averages, each named:
+
+- `tau` (pooled): 1 + all accepted drafts / all verify steps, over decoding replayed document by document;
+  what vLLM and SGLang log while serving.
+- `tau_per_request`: the mean over documents of each one's pooled tau; what a benchmark that averages
+  per request (SpecForge's) reports.
+- `tau_walk`: 1 + the mean accepted drafts over every anchor, the walk from each anchor that SpecForge
+  logs while training (over its sampled anchors): decoding order plays no part.
 """
 
 from __future__ import annotations
@@ -23,15 +30,16 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
     with the drafter's layers). Every valid anchor is drafted once (a block's draft depends only on its
     anchor and the context before it); then:
 
-    - `tau`, `per_slot`: decoding order, as `dflash spec` counts. Each document is replayed from its first
-      trained position: a cycle drafts at anchor p, accepts a tokens, and the next cycle starts at
-      p + a + 1 (the target's bonus token). On a cache of the target's own greedy answers this is the
-      online tau, up to the bf16 rounding of the stored states.
-    - `tau_anchors`, `per_slot_anchors`: the mean over every anchor. Higher on repetitive text: decoding
+    - `tau`, `per_slot`: decoding order, pooled over verify steps, as `dflash spec` counts. Each document is
+      replayed from its first trained position: a cycle drafts at anchor p, accepts a tokens, and the next
+      cycle starts at p + a + 1 (the target's bonus token). On a cache of the target's own greedy answers
+      this is the online tau, up to the bf16 rounding of the stored states. `tau_per_request`: the mean
+      over documents of each one's tau.
+    - `tau_walk`, `per_slot_walk`: the mean over every anchor. Higher on repetitive text: decoding
       spends more cycles where the drafter fails, since each failure starts one."""
-    B = drafter.cfg.block_size
+    B, window, causal = drafter.cfg.block_size, drafter.cfg.sliding_window, drafter.cfg.causal_block
     head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
-    per_anchor, cycles = [], []  # accepted drafts at every valid anchor / per replayed cycle
+    per_anchor, documents = [], []  # accepted drafts at every valid anchor / per replayed cycle of each document
     for s in shards:
         shard = cache.read_shard(s)
         hidden = cache.states(shard, device, drafter.fc.weight.dtype)  # [T, L, H]; fp8 dequantised as in training
@@ -50,7 +58,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
             ids = torch.full((len(anchors), B), drafter.cfg.mask_token_id, device=device)
             ids[:, 0] = input_ids[anchors]
             pos = lay.pos[anchors][:, None] + torch.arange(B, device=device)
-            attend = eager_attention(anchors, lay, B)
+            attend = eager_attention(anchors, lay, B, window, causal)
             h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend, ctx_kv=ctx_kv)
             h = h.view(len(anchors), B, -1)[:, 1:].reshape(-1, h.shape[-1])
             pred = torch.cat([(h[j : j + head_chunk].to(head.dtype) @ head.t()).argmax(-1)
@@ -60,13 +68,21 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
             match = ((pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside).long().cumprod(1)
             accepted_at[anchors.cpu()] = match.sum(1).cpu()  # host sync: eval only
         per_anchor += accepted_at[accepted_at >= 0].tolist()
-        cycles += replay_cycles(accepted_at, lay.doc_end.cpu())
+        documents += replay_cycles(accepted_at, lay.doc_end.cpu())
     if not per_anchor:
         raise DflashError("no valid anchor in the evaluated shards")
-    per_slot, per_slot_anchors = by_slot(cycles, B), by_slot(per_anchor, B)
-    return {"tau": 1.0 + sum(per_slot), "per_slot": per_slot, "tau_anchors": 1.0 + sum(per_slot_anchors),
-            "per_slot_anchors": per_slot_anchors, "cycles": len(cycles), "blocks": len(per_anchor), "shards": shards,
-            "block_size": B}
+    cycles = [a for doc in documents for a in doc]
+    per_slot, per_slot_walk = by_slot(cycles, B), by_slot(per_anchor, B)
+    return {"tau": 1.0 + sum(per_slot), "tau_per_request": per_request_tau(documents), "per_slot": per_slot,
+            "tau_walk": 1.0 + sum(per_slot_walk), "per_slot_walk": per_slot_walk, "cycles": len(cycles),
+            "documents": len(documents), "blocks": len(per_anchor), "shards": shards, "block_size": B}
+
+
+def per_request_tau(requests: list[list[int]]) -> float:
+    """The mean over requests of each one's tau (1 + its accepted drafts / its verify steps); requests
+    without a verify step do not count."""
+    taus = [1 + sum(r) / len(r) for r in requests if r]
+    return sum(taus) / max(len(taus), 1)
 
 
 def by_slot(accepted: list[int], block_size: int) -> list[float]:
@@ -74,17 +90,21 @@ def by_slot(accepted: list[int], block_size: int) -> list[float]:
     return [sum(a >= k for a in accepted) / max(len(accepted), 1) for k in range(1, block_size)]
 
 
-def replay_cycles(accepted_at: torch.Tensor, doc_end: torch.Tensor) -> list[int]:
-    """Decoding order over one shard: accepted_at [T] (-1 where no anchor is valid), doc_end [T]. From each
-    document's first valid anchor, a cycle at p accepts a = accepted_at[p] drafts and the next starts at
-    p + a + 1, or at the next valid anchor (past an untrained span: a user turn)."""
+def replay_cycles(accepted_at: torch.Tensor, doc_end: torch.Tensor) -> list[list[int]]:
+    """Decoding order over one shard, per document (with a valid anchor): accepted_at [T] (-1 where no anchor
+    is valid), doc_end [T]. From each document's first valid anchor, a cycle at p accepts a = accepted_at[p]
+    drafts and the next starts at p + a + 1, or at the next valid anchor (past an untrained span: a user
+    turn)."""
     acc, end = accepted_at.tolist(), doc_end.tolist()
-    out, p = [], 0
+    out, p, doc_end_now = [], 0, -1
     while p < len(acc):
         if acc[p] < 0:
             p += 1
             continue
-        out.append(acc[p])
+        if end[p] != doc_end_now:  # the first cycle of another document
+            out.append([])
+            doc_end_now = end[p]
+        out[-1].append(acc[p])
         nxt = p + acc[p] + 1
         p = nxt if nxt < end[p] else end[p]  # the next document starts from its own first anchor
     return out

@@ -51,6 +51,8 @@ class StepResult(NamedTuple):
     weight_sum: torch.Tensor  # [] sum of the slot weights: the loss's normaliser
     slot_correct: torch.Tensor  # [B-1] correct predictions among the trained slots
     slot_count: torch.Tensor  # [B-1] trained slots
+    walk_accepted: torch.Tensor  # [] drafts greedy verification would accept, summed over the step's real anchors
+    real_anchors: torch.Tensor  # [] anchors drawn from valid positions
     visible_keys: torch.Tensor  # [] keys seen by all block queries together (the FLOP count's attention term)
     grad_norm: torch.Tensor  # [] global gradient norm, before clipping
 
@@ -94,6 +96,7 @@ class Metrics:
     def _reset(self) -> None:
         z, B = self._zero, self.dcfg.block_size
         self.loss, self.wsum, self.visible, self.grad_norm = z(()), z(()), z(()), z(())
+        self.walk, self.walks = z(()), z(())  # accepted drafts of the walks from the step's anchors, and anchors
         self.correct, self.count, self.steps = z(B - 1), z(B - 1), 0
 
     def add(self, out: StepResult, step: int) -> None:
@@ -104,6 +107,8 @@ class Metrics:
         self.correct += out.slot_correct
         self.count += out.slot_count
         self.visible += out.visible_keys
+        self.walk += out.walk_accepted
+        self.walks += out.real_anchors
         self.grad_norm += gnorm
         self.steps += 1
         first_bad = ~(loss.isfinite() & gnorm.isfinite()) & (self.bad_step < 0)
@@ -134,6 +139,7 @@ class Metrics:
         record = {"step": step, "loss": (self.loss / self.wsum.clamp(min=1e-6)).item(),
                   "slot_acc": [round(a, 4) for a in (self.correct / self.count.clamp(min=1)).tolist()],
                   "trained_slots_per_step": self.count.sum().item() / n,  # useful draft tokens
+                  "tau_walk": 1 + (self.walk / self.walks.clamp(min=1)).item(),
                   "grad_norm": self.grad_norm.item() / n,
                   "lr": lr, "tokens_per_s": n * self.T * self.world / dt,
                   "input_wait": (input_wait_s - self._wait_log) / dt, "epoch": epoch}
@@ -154,7 +160,8 @@ class Metrics:
         self._write({"step": step, **record})
 
     def tau(self, step: int, result: dict) -> None:
-        self._write({"step": step, "tau": result["tau"], "per_slot": result["per_slot"]})
+        self._write({"step": step, "tau": result["tau"], "tau_walk": result["tau_walk"],
+                     "tau_per_request": result["tau_per_request"], "per_slot": result["per_slot"]})
 
     def cudagraph_skips(self) -> int:
         return cudagraph_skips() - self._skips_before

@@ -27,6 +27,25 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
+def decay_weights(supervised: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`--loss decay`: the fixed slot weights where a slot is supervised, else 0. supervised [A, B-1] bool."""
+    return slot_weights(supervised.shape[1] + 1, gamma, supervised.device) * supervised
+
+
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
+    """`--loss dpace` (D-PACE): per block, q_j = exp(-CE_j), q~_j = (1 - alpha) q_j + alpha (1 where slot j is
+    not supervised), C_j = prod_{i<=j} q~_i (the chance the walk reaches past slot j), w_j = sum_{m>=j} C_m
+    (0 where not supervised). ce, supervised: [A, B-1]; the weights carry no gradient. The running product
+    and the suffix sum are products with triangular matrices of ones (B-1 is small): a compiled step gets
+    two matmuls instead of scan kernels, which are slow to compile."""
+    with torch.no_grad():
+        n = ce.shape[1]
+        q = torch.where(supervised, (1 - alpha) * torch.exp(-ce.float()) + alpha, 1.0)  # >= alpha > 0
+        upper = torch.ones(n, n, device=ce.device).triu()  # upper[i, j] = 1 for i <= j
+        reach = torch.exp(q.log() @ upper)  # [A, B-1] C_j
+        return (reach @ upper.t()) * supervised  # w_j = sum over m >= j of C_m
+
+
 @dataclass
 class Layout:
     """Where the documents of a packed shard are, per position [T]."""
@@ -71,11 +90,11 @@ class Blocks:
     ids: torch.Tensor  # [A*B] block tokens: anchor token, then MASK
     pos: torch.Tensor  # [A*B] their positions inside the document
     labels: torch.Tensor  # [A, B-1] what slots 1..B-1 should predict
-    weights: torch.Tensor  # [A, B-1] loss weight (0: no loss)
+    supervised: torch.Tensor  # [A, B-1] bool: the slot has a label (inside the document, with loss, real anchor)
 
 
 def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mask, *, block_size: int,
-                mask_token_id: int, gamma: float, labels_from: str) -> Blocks:
+                mask_token_id: int, labels_from: str) -> Blocks:
     T, B = input_ids.shape[0], block_size
     k = torch.arange(B, device=anchors.device)
     ids = torch.where(k == 0, input_ids[anchors][:, None], mask_token_id)  # [A, B]
@@ -87,23 +106,48 @@ def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mas
         labels = target_ids[lp - 1]
     else:
         labels = input_ids[lp]
-    weights = slot_weights(B, gamma, anchors.device)[None, :] * (inside & loss_mask[lp].bool() & anchor_ok[:, None])
-    return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), weights)
+    supervised = inside & loss_mask[lp].bool() & anchor_ok[:, None]
+    return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), supervised)
 
 
-def context_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
-    """[A*B, T] bool: block token (a, k) sees context j < anchor_a of its document."""
+def context_mask(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None) -> torch.Tensor:
+    """[A*B, T] bool: block token (a, k) sees context j < anchor_a of its document (with a sliding window W,
+    only j > anchor_a + k - W: the window is measured from the slot's own position)."""
     A, B = anchors.shape[0], block_size
-    a = torch.arange(A * B, device=anchors.device) // B  # [A*B] block of each query
+    q = torch.arange(A * B, device=anchors.device)
+    a = q // B  # [A*B] block of each query
     j = torch.arange(lay.doc_id.shape[0], device=anchors.device)
-    return (lay.doc_id[None, :] == lay.doc_id[anchors][a][:, None]) & (j[None, :] < anchors[a][:, None])
+    mask = (lay.doc_id[None, :] == lay.doc_id[anchors][a][:, None]) & (j[None, :] < anchors[a][:, None])
+    if window is not None:
+        mask &= j[None, :] > (anchors[a] + q % B - window)[:, None]
+    return mask
 
 
-def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int) -> torch.Tensor:
-    """[A*B, T + A*B] bool: the context mask, then each block token sees its own block. The reference
-    layout (and SDPA's on GPU); the flex path builds the same mask as a BlockMask."""
-    a = torch.arange(anchors.shape[0] * block_size, device=anchors.device) // block_size
-    return torch.cat([context_mask(anchors, lay, block_size), a[:, None] == a[None, :]], dim=1)
+def own_block_mask(num_anchors: int, block_size: int, causal: bool, device=None) -> torch.Tensor:
+    """[A*B, A*B] bool: each block token sees its own block (`causal`: its slots up to its own)."""
+    q = torch.arange(num_anchors * block_size, device=device)
+    mask = q[:, None] // block_size == q[None, :] // block_size
+    return mask & (q[None, :] <= q[:, None]) if causal else mask
+
+
+def dense_mask(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None,
+               causal: bool = False) -> torch.Tensor:
+    """[A*B, T + A*B] bool: the context mask, then each block token sees its own block (`causal`: slots 0..k).
+    The reference layout (and SDPA's on GPU); the flex path builds the same mask as a BlockMask."""
+    return torch.cat([context_mask(anchors, lay, block_size, window),
+                      own_block_mask(anchors.shape[0], block_size, causal, anchors.device)], dim=1)
+
+
+def visible_keys(anchors: torch.Tensor, anchor_ok: torch.Tensor, lay: Layout, block_size: int,
+                 window: int | None = None, causal: bool = False) -> torch.Tensor:
+    """[] keys seen by all block queries together (the FLOP count's attention term): per query, the context
+    it sees (`context_mask`) and its own block (`causal`: slots 0..k)."""
+    k = torch.arange(block_size, device=anchors.device)
+    before = torch.where(anchor_ok, lay.pos[anchors], 0)[:, None]  # [A, 1] context before each anchor
+    if window is not None:  # slot k sees min(before, W - 1 - k) of it
+        before = torch.minimum(before, (window - 1 - k).clamp(min=0))
+    own = k + 1 if causal else torch.full_like(k, block_size)  # [B]
+    return (before.expand(-1, block_size) + own).sum()
 
 
 SPARSE_BLOCK = 128  # flex_attention's tile: the block mask says which [128 queries x 128 keys] tiles to visit
@@ -128,9 +172,11 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[..., 0].to(torch.int32), idx.to(torch.int32, memory_format=torch.contiguous_format)
 
 
-def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
+def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None,
+                    causal: bool = False):
     """The BlockMask of `dense_mask` for flex_attention, built from each query's two key intervals (its
-    document's context before its anchor, and its own block) at tile granularity: the same tensors as
+    document's context before its anchor, inside the window if any, and its own block) at tile granularity:
+    the same tensors as
     `create_block_mask(mask_mod, 1, 1, A*B, T + A*B)`, without evaluating the mask per element and without
     a sort, so the compiled step neither materialises [A*B, T+A*B] nor compiles a sorting network."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -144,14 +190,22 @@ def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int):
         a = q // B
         in_ctx = kv < T
         ctx_ok = (doc_id[kv.clamp(max=T - 1)] == anchor_doc[a]) & (kv < anchors[a])
-        return torch.where(in_ctx, ctx_ok, (kv - T) // B == a)
+        if window is not None:
+            ctx_ok = ctx_ok & (kv > anchors[a] + q % B - window)
+        own = (kv - T) // B == a
+        if causal:
+            own = own & (kv - T <= q)
+        return torch.where(in_ctx, ctx_ok, own)
 
     q = torch.arange(Qb * R, device=anchors.device)  # [Qb*R] queries, padded to whole tiles
     real_q = (q < Q)[:, None]
     a = (q // B).clamp(max=A - 1)
     anchor = anchors[a]
-    lo = torch.stack([anchor - lay.pos[anchor], T + a * B], -1)[:, None, :]  # [Qb*R, 1, 2]: context, own block
-    hi = torch.stack([anchor, T + a * B + B], -1)[:, None, :]
+    ctx_lo = anchor - lay.pos[anchor]  # the document's start
+    if window is not None:
+        ctx_lo = torch.maximum(ctx_lo, anchor + q % B - window + 1)
+    lo = torch.stack([ctx_lo, T + a * B], -1)[:, None, :]  # [Qb*R, 1, 2]: context, own block
+    hi = torch.stack([anchor, T + (q + 1 if causal else a * B + B)], -1)[:, None, :]
     tile_lo = torch.arange(KVb, device=anchors.device)[None, :, None] * R  # [1, KVb, 1]
     tile_hi = tile_lo + R
     sees_some = ((lo < hi) & (lo < tile_hi) & (hi > tile_lo)).any(-1) & real_q  # [Qb*R, KVb]; hi <= KV
@@ -175,10 +229,11 @@ def sdpa_attention(mask: torch.Tensor):
     return attend
 
 
-def block_attention(ctx_mask: torch.Tensor, block_size: int):
+def block_attention(ctx_mask: torch.Tensor, block_size: int, causal: bool = False):
     """Attention over [context ; blocks] where each query scores the T context keys and only the B keys of
-    its own block, under one softmax. Same result as SDPA with `dense_mask`, without the A*B - B block keys
-    per query that the dense mask throws away (on CPU most of the work at A*B > T). ctx_mask: [A*B, T]."""
+    its own block (`causal`: slots 0..k), under one softmax. Same result as SDPA with `dense_mask`, without
+    the A*B - B block keys per query that the dense mask throws away (on CPU most of the work at A*B > T).
+    ctx_mask: [A*B, T]."""
     def attend(q, k, v):  # q [1, nq, N, D]; k, v [1, nkv, T+N, D]
         _, nq, N, D = q.shape
         T, A, B = k.shape[2] - N, N // block_size, block_size
@@ -186,18 +241,21 @@ def block_attention(ctx_mask: torch.Tensor, block_size: int):
         q = q[0] * D**-0.5
         s_ctx = (q @ k[:, :T].transpose(1, 2)).masked_fill(~ctx_mask, float("-inf"))  # [nq, N, T]
         s_own = q.view(nq, A, B, D) @ k[:, T:].view(nq, A, B, D).transpose(2, 3)  # [nq, A, B, B]
+        if causal:
+            s_own = s_own.masked_fill(~torch.ones(B, B, dtype=torch.bool, device=q.device).tril(), float("-inf"))
         p = torch.cat([s_ctx, s_own.view(nq, N, B)], dim=-1).softmax(-1)  # never empty: the own block
         own = p[..., T:].reshape(nq, A, B, B) @ v[:, T:].view(nq, A, B, D)  # [nq, A, B, D]
         return (p[..., :T] @ v[:, :T] + own.view(nq, N, D))[None]
     return attend
 
 
-def eager_attention(anchors: torch.Tensor, lay: Layout, block_size: int):
+def eager_attention(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None,
+                    causal: bool = False):
     """The uncompiled path's attention: per-block scores on CPU; on GPU, SDPA's fused kernels with the
     dense mask (they never materialise the scores)."""
     if anchors.is_cuda:
-        return sdpa_attention(dense_mask(anchors, lay, block_size))
-    return block_attention(context_mask(anchors, lay, block_size), block_size)
+        return sdpa_attention(dense_mask(anchors, lay, block_size, window, causal))
+    return block_attention(context_mask(anchors, lay, block_size, window), block_size, causal)
 
 
 _flex_kernel = None
@@ -222,17 +280,17 @@ def flex_attention_fn(block_mask):
     return attend
 
 
-def _chunk(hc, weight, yc, wc, need_grad: bool):
-    """One chunk of rows: (sum of w * CE, argmax correct [c], gradient for hc [c, H] or None)."""
+def _chunk(hc, weight, yc, need_grad: bool):
+    """One chunk of rows: (CE [c], argmax correct [c], gradient of each row's CE for hc [c, H] or None)."""
     logits = (hc @ weight.t()).float()  # [c, V]
     lse = logits.logsumexp(-1)
-    loss = (wc * (lse - logits.gather(1, yc[:, None])[:, 0])).sum()
+    ce = lse - logits.gather(1, yc[:, None])[:, 0]
     correct = logits.argmax(-1) == yc
     if not need_grad:
-        return loss, correct, None
+        return ce, correct, None
     p = torch.exp(logits - lse[:, None])  # softmax
     p = p.scatter_add(1, yc[:, None], -torch.ones_like(p[:, :1]))
-    return loss, correct, ((p * wc[:, None]).to(weight.dtype) @ weight).to(hc.dtype)
+    return ce, correct, (p.to(weight.dtype) @ weight).to(hc.dtype)
 
 
 def ce_rows(vocab_size: int, budget_bytes: int = 5 << 28) -> int:
@@ -245,29 +303,33 @@ def ce_rows(vocab_size: int, budget_bytes: int = 5 << 28) -> int:
 _chunk_region = torch.compiler.nested_compile_region(_chunk)
 
 
-def head_cross_entropy(h, weight, labels, w, chunk: int = 1024, region: bool = False):
-    """(sum of w * CE, per-row correctness of the argmax) for rows h [N, H] under the frozen head W.
-    Chunked: the [N, V] logits never exist at once. The gradient for h is computed chunk by chunk with the
-    loss (nothing of the logits is kept) and reaches h through a surrogate term of value 0, so no custom
-    autograd.Function is needed (one in the graph keeps AOT autograd from caching a compiled step).
+def head_cross_entropy(h, weight, labels, weigh, chunk: int = 1024, region: bool = False):
+    """(sum of w * CE, w [N], per-row correctness of the argmax [N]) for rows h [N, H] under the frozen head W,
+    where the row weights w = weigh(CE) [N] are constants (no gradient flows through them: a fixed decay, or
+    D-PACE's weights of the rows' own CE). Chunked: the [N, V] logits never exist at once. Each row's CE and
+    the gradient of its CE for h are computed chunk by chunk (nothing of the logits is kept); once all CEs
+    are known the weights scale those gradients, which is exact because the weights are constants, and the
+    result reaches h through a surrogate term of value 0: one pass of the head, no custom
+    autograd.Function (one in the graph keeps AOT autograd from caching a compiled step).
     `region`: in a compiled step, the chunk is one nested compile region instead of unrolled copies."""
     N = h.shape[0]
     need_grad = h.requires_grad and torch.is_grad_enabled()
     body = _chunk_region if region else _chunk
     with torch.no_grad():
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        ce = torch.empty(N, dtype=torch.float32, device=h.device)
         correct = torch.empty(N, dtype=torch.bool, device=h.device)
         grad = torch.empty_like(h) if need_grad else None
         for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph (`region`: calls of one)
-            loss, correct[i : i + chunk], g = body(h[i : i + chunk], weight, labels[i : i + chunk], w[i : i + chunk],
-                                                   need_grad)
-            total = total + loss
+            ce[i : i + chunk], correct[i : i + chunk], g = body(h[i : i + chunk], weight, labels[i : i + chunk],
+                                                                need_grad)
             if need_grad:
                 grad[i : i + chunk] = g
+        w = weigh(ce)
+        total = (w * ce).sum()
     if need_grad:
-        surrogate = (h * grad).float().sum()  # d/dh = grad
+        surrogate = (h.float() * (grad.float() * w[:, None])).sum()  # d/dh = w * dCE/dh, rounded once
         total = total + (surrogate - surrogate.detach())
-    return total, correct
+    return total, w, correct
 
 
 @dataclass
@@ -276,19 +338,29 @@ class StepOutput:
     weight_sum: torch.Tensor  # []
     slot_correct: torch.Tensor  # [B-1] correct predictions among trained slots
     slot_count: torch.Tensor  # [B-1] trained slots
+    walk_accepted: torch.Tensor  # [] sum over the real anchors of their accepted drafts (leading correct slots)
     anchors: torch.Tensor  # [A]
     anchor_ok: torch.Tensor  # [A]
     visible_keys: torch.Tensor  # [] keys seen by all block queries together (for FLOP counts)
 
 
+def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
+    """[A] leading correct slots of each block (correct [A, B-1] bool): the drafts greedy verification would
+    accept. Counted with a matmul (a slot is accepted when no slot up to it is wrong), not a cumprod scan."""
+    n = correct.shape[1]
+    wrong_so_far = (~correct).float() @ torch.ones(n, n, device=correct.device).triu()  # [A, B-1]
+    return (wrong_so_far == 0).sum(1)
+
+
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
-                 gamma: float, labels_from: str = "target", attention: str = "eager", ce_chunk: int = 1024,
-                 ce_region: bool = False,
+                 gamma: float = 7.0, loss: str = "decay", dpace_alpha: float = 0.5, labels_from: str = "target",
+                 attention: str = "eager", ce_chunk: int = 1024, ce_region: bool = False,
                  anchors: torch.Tensor | None = None, generator=None) -> StepOutput:
     """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
-    doc_lens [D]. `anchors` (sorted [A]) replaces the random draw, for tests."""
+    doc_lens [D]. `loss`: `decay` (fixed slot weights, `gamma`) or `dpace` (D-PACE, `dpace_alpha`).
+    `anchors` (sorted [A]) replaces the random draw, for tests."""
     cfg = model.cfg
-    T, B = input_ids.shape[0], cfg.block_size
+    T, B, W, causal = input_ids.shape[0], cfg.block_size, cfg.sliding_window, cfg.causal_block
     lay = layout(doc_lens, T)
     valid = valid_anchors(lay, loss_mask)
     if anchors is None:
@@ -296,30 +368,35 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
     else:
         anchor_ok = valid[anchors]
     blocks = make_blocks(anchors, anchor_ok, lay, input_ids, target_ids, loss_mask, block_size=B,
-                         mask_token_id=cfg.mask_token_id, gamma=gamma, labels_from=labels_from)
+                         mask_token_id=cfg.mask_token_id, labels_from=labels_from)
     if attention == "flex":
-        attend = flex_attention_fn(flex_block_mask(anchors, lay, B))
+        attend = flex_attention_fn(flex_block_mask(anchors, lay, B, W, causal))
     elif attention == "dense":  # the reference layout, for tests
-        attend = sdpa_attention(dense_mask(anchors, lay, B))
+        attend = sdpa_attention(dense_mask(anchors, lay, B, W, causal))
     else:
-        attend = eager_attention(anchors, lay, B)
+        attend = eager_attention(anchors, lay, B, W, causal)
     ctx = model.context(hidden)  # [T, H]
     h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend)  # [A*B, H]
     h = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])  # slots 1..B-1: [A*(B-1), H]
-    w = blocks.weights.reshape(-1)
-    total, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), w, ce_chunk, ce_region)
+    supervised = blocks.supervised
+    if loss == "dpace":
+        weigh = lambda ce: dpace_weights(ce.view(-1, B - 1), supervised, dpace_alpha).reshape(-1)  # noqa: E731
+    else:
+        weigh = lambda ce: decay_weights(supervised, gamma).reshape(-1)  # noqa: E731
+    total, w, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), weigh, ce_chunk,
+                                           ce_region)
     weight_sum = w.sum()
-    trained = (blocks.weights > 0).view(-1, B - 1)
-    visible = B * (torch.where(anchor_ok, lay.pos[anchors], 0) + B).sum()  # per query: context before p + own block
-    return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum,
-                      (correct.view(-1, B - 1) & trained).sum(0), trained.sum(0), anchors, anchor_ok, visible)
+    correct = correct.view(-1, B - 1) & supervised
+    return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum, correct.sum(0), supervised.sum(0),
+                      (accepted_drafts(correct) * anchor_ok).sum(), anchors, anchor_ok,
+                      visible_keys(anchors, anchor_ok, lay, B, W, causal))
 
 
-def flops_per_step(cfg, T: int, num_anchors: int, visible_keys: float | None = None) -> float:
+def flops_per_step(cfg, T: int, num_anchors: int, visible: float | None = None) -> float:
     """Training FLOPs of one step (fwd + bwd; the frozen head: fwd + input grad):
     per layer 6[(Wq+Wo+Wmlp)AB + (Wk+Wv)(AB+T)], + 6 Wfc T, + 4 V H A(B-1), + 12 heads head_dim sum(visible
-    keys) per layer. `visible_keys` (StepOutput.visible_keys) defaults to half the shard of context per
-    block token, as for one long document."""
+    keys) per layer. `visible` (StepOutput.visible_keys) defaults to half the shard of context per block
+    token (at most the sliding window), as for one long document."""
     A, B, H = num_anchors, cfg.block_size, cfg.hidden_size
     q_o = 2 * H * cfg.num_attention_heads * cfg.head_dim
     k_v = 2 * H * cfg.num_key_value_heads * cfg.head_dim
@@ -327,7 +404,7 @@ def flops_per_step(cfg, T: int, num_anchors: int, visible_keys: float | None = N
     per_layer = 6 * ((q_o + mlp) * A * B + k_v * (A * B + T))
     fc = 6 * len(cfg.target_layer_ids) * H * H * T
     head = 4 * cfg.vocab_size * H * A * (B - 1)
-    if visible_keys is None:
-        visible_keys = A * B * (T / 2 + B)
-    attn = 12 * cfg.num_attention_heads * cfg.head_dim * visible_keys * cfg.num_layers
+    if visible is None:
+        visible = A * B * (min(T / 2, cfg.sliding_window or T) + ((B + 1) / 2 if cfg.causal_block else B))
+    attn = 12 * cfg.num_attention_heads * cfg.head_dim * visible * cfg.num_layers
     return cfg.num_layers * per_layer + fc + head + attn

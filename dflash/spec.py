@@ -22,8 +22,18 @@ from dflash.errors import DflashError
 from dflash.target import Target, decoder_layers
 
 
-def _no_mask(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the block sees all context and itself
+def block_attention_fn(n: int, ctx_start: int, block_size: int, window: int | None, causal: bool, device):
+    """Attention of the block at positions n .. n+B-1 over the cached context (positions ctx_start .. n-1)
+    and itself: all of it, or with a sliding window W, slot k sees context positions p > n + k - W;
+    `causal`: slot k sees block slots 0..k."""
+    if window is None and not causal:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    ctx_pos = torch.arange(ctx_start, n, device=device)
+    slot_pos = torch.arange(n, n + block_size, device=device)
+    ctx = ctx_pos[None, :] > slot_pos[:, None] - (window if window is not None else n + block_size)
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    mask = torch.cat([ctx, own.tril() if causal else own], 1)  # [B, ctx + B]
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def _argmax_head(target: Target, h: torch.Tensor) -> torch.Tensor:
@@ -179,17 +189,23 @@ def speculative_greedy(target: Target, drafter: Drafter, prompt: list[int], max_
 
 def _decode(target: Target, drafter: Drafter, cache: RewindableCache, prompt, max_new, eos):
     cfg = drafter.cfg
-    B, device = cfg.block_size, target.device
+    B, W, device = cfg.block_size, cfg.sliding_window, target.device
     hidden, last = target.forward(torch.tensor([prompt], device=device), cache.cache)
     n = len(prompt)
     ctx_kv = drafter.context_kv(drafter.context(torch.stack(hidden, 2)[0]), torch.arange(n, device=device))
+    ctx_start = 0  # position of the first context key kept
     bonus = int(_argmax_head(target, last[0, -1]))
     out, accepted = [bonus], []
     mask_block = torch.full((B,), cfg.mask_token_id, device=device)
     while len(out) < max_new and out[-1] not in eos:
+        if W is not None and n - ctx_start > W - 1:  # keys no slot can see again: slot 0 sees p > n - W
+            drop = n - (W - 1) - ctx_start
+            ctx_kv = [(k[:, drop:], v[:, drop:]) for k, v in ctx_kv]
+            ctx_start += drop
         block = mask_block.clone()
         block[0] = bonus
-        h = drafter(None, None, block, torch.arange(n, n + B, device=device), _no_mask, ctx_kv=ctx_kv)
+        attend = block_attention_fn(n, ctx_start, B, W, cfg.causal_block, device)
+        h = drafter(None, None, block, torch.arange(n, n + B, device=device), attend, ctx_kv=ctx_kv)
         draft = _argmax_head(target, h[1:].to(target.head.weight.dtype))  # [B-1]
         cache.save(B)
         hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache.cache)  # verify positions n..n+B-1
@@ -271,7 +287,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     {"prompt", "completion"} rows (the target's answers: a cache of them gives the offline tau to
     compare)."""
     from dflash.drafter_io import load_drafter
-    from dflash.evaluate import by_slot
+    from dflash.evaluate import by_slot, per_request_tau
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     dev = resolve_device(device)
@@ -285,7 +301,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     target_greedy(target, prompts[0][:8], 4, eos)
     t_spec = t_base = 0.0
     n_spec = n_base = 0
-    accepted, mismatches, ngram, outputs, stats = [], [], [], [], {"replay_s": 0.0}
+    accepted, mismatches, ngram, outputs, stats = [], [], [], [], {"replay_s": 0.0}  # accepted: per prompt
     for i, prompt in enumerate(prompts):
         _sync(dev)
         t0 = time.perf_counter()
@@ -296,7 +312,7 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
         _sync(dev)
         t2 = time.perf_counter()
         t_spec, t_base, n_spec, n_base = t_spec + t1 - t0, t_base + t2 - t1, n_spec + len(spec), n_base + len(base)
-        accepted += acc
+        accepted.append(acc)
         ngram += ngram_accepted(prompt + base, len(prompt), drafter.cfg.block_size)
         outputs.append({"prompt": tokenizer.decode(prompt), "completion": tokenizer.decode(base)})
         if spec != base:
@@ -304,14 +320,15 @@ def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: in
     if save_outputs:
         Path(save_outputs).parent.mkdir(parents=True, exist_ok=True)
         Path(save_outputs).write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
-    B = drafter.cfg.block_size
-    per_position = by_slot(accepted, B)
-    return {"tau": sum(a + 1 for a in accepted) / max(len(accepted), 1), "lossless": not mismatches,
+    B, steps = drafter.cfg.block_size, [a for acc in accepted for a in acc]
+    per_position = by_slot(steps, B)
+    return {"tau": sum(a + 1 for a in steps) / max(len(steps), 1), "tau_per_request": per_request_tau(accepted),
+            "lossless": not mismatches,
             "ngram_tau": sum(a + 1 for a in ngram) / max(len(ngram), 1),
               "speedup": (n_spec / t_spec) / (n_base / t_base), "per_position": per_position,
               "spec_tokens_per_s": n_spec / t_spec, "target_tokens_per_s": n_base / t_base,
               "linear_attention_replay_share": stats["replay_s"] / t_spec,
-              "prompts": len(prompts), "new_tokens": n_spec, "cycles": len(accepted), "mismatched_prompts": mismatches,
+              "prompts": len(prompts), "new_tokens": n_spec, "cycles": len(steps), "mismatched_prompts": mismatches,
               "block_size": B}
 
 

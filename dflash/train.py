@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ import dflash
 from dflash import checkpoint, drafter as drafter_module, fp8, objective
 from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.compile_cache import StepArtifacts, source_hash
-from dflash.config import TrainConfig
+from dflash.config import TrainConfig, flat_dict, resolve_drafter
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
 from dflash.drafter_io import copy_weights, read_drafter
@@ -49,27 +49,19 @@ COMPILE_OPTIONS = {"dynamic": False, "options": {"triton.cudagraphs": True, "tri
 
 
 def drafter_config(cfg: TrainConfig, cache: Cache) -> DrafterConfig:
-    """The drafter's shape: the cache fixes hidden and vocab sizes; other widths default to the target's."""
+    """The drafter's shape: the cache fixes hidden and vocab sizes and the layers; other fields left at None
+    are the target's."""
     m = cache.manifest
     target = json.loads((cache.path / TARGET_CONFIG_FILE).read_text())
-    mask = cfg.mask_token_id if cfg.mask_token_id is not None else \
-        target.get("text_config", target).get("dflash_mask_token_id")
-    if mask is None:
-        raise DflashError("--mask-token-id is needed: the target's config names no dflash_mask_token_id")
-    if not 0 <= mask < m["vocab_size"]:
-        raise DflashError(f"--mask-token-id {mask} is outside the target's vocabulary (size {m['vocab_size']})")
-    return DrafterConfig.from_target_config(
-        target, hidden_size=m["hidden_size"], vocab_size=m["vocab_size"], num_layers=cfg.num_layers,
-        block_size=cfg.block_size, target_layer_ids=cache.layer_ids, mask_token_id=mask,
-        intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta)
+    return resolve_drafter(cfg.drafter, target, hidden_size=m["hidden_size"], vocab_size=m["vocab_size"],
+                           target_layer_ids=cache.layer_ids)
 
 
 def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
     """Mismatches fail here, before any heavy work."""
     T = cache.token_budget
-    if cfg.block_size > T:
-        raise DflashError(f"--block-size {cfg.block_size} does not fit shards of {T} tokens")
+    if dcfg.block_size > T:
+        raise DflashError(f"--block-size {dcfg.block_size} does not fit shards of {T} tokens")
     if cfg.num_anchors > T:
         raise DflashError(f"--num-anchors {cfg.num_anchors} is more than the {T} positions of a shard")
     if dcfg.num_attention_heads % dcfg.num_key_value_heads:
@@ -100,7 +92,7 @@ def split_shards(cfg: TrainConfig, num_shards: int) -> tuple[list[int], list[int
 
 def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards: list[int],
                holdout: list[int]) -> dict:
-    return {"dflash_version": dflash.__version__, "train": asdict(cfg), "drafter": dcfg.to_dict(),
+    return {"dflash_version": dflash.__version__, "train": flat_dict(cfg), "drafter": dcfg.to_dict(),
             "train_shards": train_shards,
             "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest["cache_key"],
                       "layer_ids": cache.manifest["layer_ids"], "target": cache.manifest["target"]},
@@ -164,9 +156,11 @@ class LossModule(torch.nn.Module):
             hidden = fp8.dequantize(hidden, hidden_scale, self.scale_block,
                                     torch.bfloat16 if self.autocast else self.drafter.fc.weight.dtype)
         out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask, target_ids.long(),
-                           doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, labels_from=self.cfg.labels,
-                           attention=self.attention, ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions)
-        return out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.visible_keys
+                           doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, loss=self.cfg.loss,
+                           dpace_alpha=self.cfg.dpace_alpha, labels_from=self.cfg.labels, attention=self.attention,
+                           ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions)
+        return (out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.walk_accepted, out.anchor_ok.sum(),
+                out.visible_keys)
 
 
 # -- build, resume, loop ------------------------------------------------------------------------------
@@ -291,7 +285,8 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
     drafter = {k: v for k, v in module.drafter.cfg.to_dict().items() if k != "target_layer_ids"}
     return {"drafter": drafter, "T": cache.token_budget, "D": m["max_docs"], "L": len(cache.layer_ids),
             "H": m["hidden_size"], "A": cfg.num_anchors, "ce_chunk": module.ce_chunk, "gamma": module.gamma,
-            "labels": cfg.labels, "storage": m["storage_dtype"], "scale_block": module.scale_block,
+            "loss": cfg.loss, "dpace_alpha": cfg.dpace_alpha, "labels": cfg.labels, "storage": m["storage_dtype"],
+            "scale_block": module.scale_block,
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
             "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,
             "regions": cfg.compile_regions, "world": d.world,
@@ -320,12 +315,12 @@ def train_step(s: Setup, inputs, lr: float) -> StepResult:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
-    loss, weight_sum, slot_correct, slot_count, visible_keys = s.loss_fn(**inputs.tensors())
+    loss, *outputs = s.loss_fn(**inputs.tensors())
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(group["params"], s.cfg.grad_clip)
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, weight_sum, slot_correct, slot_count, visible_keys, grad_norm)
+    return StepResult(loss, *outputs, grad_norm)
 
 
 def loop(s: Setup, start: int, log) -> dict:
@@ -358,7 +353,8 @@ def loop(s: Setup, start: int, log) -> dict:
         result = acceptance(s.drafter.eval(), s.cache, s.holdout[: cfg.eval_shards], s.device)
         s.drafter.train()
         metrics.tau(at, result)
-        bar.write(f"step {at}: tau {result['tau']:.3f} on {len(result['shards'])} held-out shards")
+        bar.write(f"step {at}: tau walk {result['tau_walk']:.3f} (mean over anchors), {result['tau']:.3f} pooled "
+                  f"over decoding, on {len(result['shards'])} held-out shards")
 
     try:
         for _, inputs in loader:

@@ -1,13 +1,22 @@
 """The run configs: presets, type checks, validation on construction, and the CLI options generated from
 them (every field an option, its docstring the help)."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 from conftest import run_in_process
-from dflash.config import ExtractConfig, RegenerateConfig, TrainConfig, build_config, field_docs, load_preset, option
+from dflash.config import (
+    DrafterConfig,
+    ExtractConfig,
+    RegenerateConfig,
+    TrainConfig,
+    build_config,
+    field_docs,
+    load_preset,
+    option,
+    option_fields,
+)
 from dflash.errors import DflashError
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
@@ -72,6 +81,12 @@ def test_a_toml_integer_is_a_float_and_a_bool_is_no_integer(tmp_path):
     (ExtractConfig, {"experts_implementation": "loop"}, "--experts-implementation must be one of"),
     (ExtractConfig, {"out": ""}, "no output: pass --out"),
     (TrainConfig, {"block_size": 1}, "--block-size must be >= 2"),
+    (TrainConfig, {"dpace_alpha": 0.0}, r"--dpace-alpha must be in \(0, 1\], got 0.0"),
+    (TrainConfig, {"dpace_alpha": 1.5}, r"--dpace-alpha must be in \(0, 1\], got 1.5"),
+    (TrainConfig, {"sliding_window": 0}, "--sliding-window must be >= 1"),
+    (TrainConfig, {"sliding_window": 8}, "--sliding-window 8 is shorter than the block"),
+    (TrainConfig, {"layers": [3, 1]}, r"--layers must be increasing and distinct, got \[3, 1\]"),
+    (TrainConfig, {"loss": "focal"}, "--loss must be one of dpace, decay"),
     (TrainConfig, {"ce_chunk": -1}, "--ce-chunk must be >= 0"),
     (TrainConfig, {"warmup": 1.5}, "--warmup is a fraction"),
     (TrainConfig, {"compile": "maybe"}, "--compile must be one of auto, yes, no"),
@@ -82,7 +97,7 @@ def test_construction_validates_naming_the_option(cls, values, message):
     base = {ExtractConfig: {"target": "t", "data": ["d"], "out": "o"}, TrainConfig: {"cache": "c", "out": "o"},
             RegenerateConfig: {"target": "t", "data": ["d"], "out": "o"}}[cls]
     with pytest.raises(DflashError, match=message):
-        cls(**{**base, **values})
+        build_config(cls, None, "", {**base, **values})
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -90,11 +105,32 @@ def test_every_field_is_an_option_with_its_docstring_as_help(command):
     result = run_in_process([command, "--help"])
     assert result.exit_code == 0
     text = "".join(result.output.split())  # click wraps help text at any space (and after hyphens)
-    docs = field_docs(COMMANDS[command])
-    for f in dataclasses.fields(COMMANDS[command]):
-        assert f"{option(f.name)} " in result.output, f.name
-        assert docs.get(f.name), f"{f.name} has no docstring"
-        assert "".join(docs[f.name].split()) in text, f.name
+    for name, (owner, _) in option_fields(COMMANDS[command]).items():
+        doc = field_docs(owner).get(name)
+        assert f"{option(name)} " in result.output, name
+        assert doc, f"{name} has no docstring"
+        assert "".join(doc.split()) in text, name
+    if command == "train":  # the drafter's fields are options; those the target fixes are not
+        assert "--num-layers " in result.output and "--sliding-window " in result.output
+        assert "--hidden-size" not in result.output and "--drafter " not in result.output
+
+
+def test_the_drafters_fields_nest_into_train_config_and_its_record_is_flat(tmp_path):
+    """Preset keys and options of the drafter fill TrainConfig.drafter; the run's record (and what a resumed
+    run must share) is one flat table, as the options are."""
+    from dflash.config import flat_dict
+
+    preset = tmp_path / "p.toml"
+    preset.write_text("[train]\nnum_layers = 3\nsliding_window = 64\nlr = 1e-3\n")
+    cfg = build_config(TrainConfig, preset, "train", {**REQUIRED["train"], "block_size": 8, "causal_block": True})
+    assert cfg.drafter == DrafterConfig(num_layers=3, block_size=8, sliding_window=64, causal_block=True)
+    assert cfg.lr == 1e-3
+    flat = flat_dict(cfg)
+    assert flat["num_layers"] == 3 and flat["block_size"] == 8 and "drafter" not in flat and "hidden_size" not in flat
+    assert TrainConfig(**{**REQUIRED["train"], "drafter": cfg.drafter.to_dict()}).drafter == cfg.drafter
+    preset.write_text("[train]\nhidden_size = 64\n")
+    with pytest.raises(DflashError, match="unknown key 'hidden_size' in \\[train\\]"):
+        build_config(TrainConfig, preset, "train", REQUIRED["train"])
 
 
 def test_generated_options_parse_like_the_fields(tmp_path, monkeypatch):

@@ -25,15 +25,20 @@ def _grads(model):
     return {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("loss, window, causal", [("decay", None, False), ("dpace", 16, False), ("dpace", 24, True)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_flex_step_on_gpu_matches_the_naive_reference(compiled):
+def test_flex_step_on_gpu_matches_the_naive_reference(compiled, loss, window, causal):
+    """Forward and backward of the flex_attention step, eager and compiled, with each loss, a sliding
+    window shorter than the documents and a causal block."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, shard = tiny_drafter(5), random_shard(5, T=128, doc_lens=(50, 40, 30))
-    gpu_model = tiny_drafter(5).cuda()
+    fields = dict(sliding_window=window, causal_block=causal)
+    model, shard = tiny_drafter(5, **fields), random_shard(5, T=128, doc_lens=(50, 40, 30))
+    gpu_model = tiny_drafter(5, **fields).cuda()
     loss_fn = torch.compile(drafter_loss, dynamic=False) if compiled else drafter_loss
-    out = loss_fn(gpu_model, **_to(shard, "cuda"), num_anchors=12, gamma=4.0, attention="flex", ce_chunk=16)
+    kw = dict(gamma=4.0, loss=loss, dpace_alpha=0.5)
+    out = loss_fn(gpu_model, **_to(shard, "cuda"), num_anchors=12, attention="flex", ce_chunk=16, **kw)
     out.loss.backward()
-    ref, _, _ = naive_loss(model, **shard, anchors=out.anchors.cpu(), gamma=4.0)
+    ref, _, _ = naive_loss(model, **shard, anchors=out.anchors.cpu(), **kw)
     ref.backward()
     assert out.anchor_ok.sum() >= 8
     assert rel_err(out.loss.detach().cpu(), ref.detach()) < 1e-4

@@ -9,13 +9,15 @@ import torch.nn.functional as F
 
 from conftest import rel_err
 from dflash.drafter import Drafter, DrafterConfig, rope_tables
-from dflash.naive import naive_loss
+from dflash.naive import dpace_slot_weights, naive_loss
 from dflash.objective import (
     block_attention,
     ce_rows,
     context_mask,
+    decay_weights,
     default_gamma,
     dense_mask,
+    dpace_weights,
     drafter_loss,
     flex_block_mask,
     head_cross_entropy,
@@ -24,16 +26,22 @@ from dflash.objective import (
     sample_anchors,
     sdpa_attention,
     valid_anchors,
+    visible_keys,
 )
 
 V, H, B = 300, 64, 8
 
 
-def tiny_drafter(seed=0, layers=(1, 3), block_size=B, gqa=2) -> Drafter:
+def tiny_config(layers=(1, 3), block_size=B, gqa=2, **fields) -> DrafterConfig:
     """4 query heads sharing key/value heads in groups of `gqa`."""
-    cfg = DrafterConfig(num_layers=2, hidden_size=H, intermediate_size=96, num_attention_heads=4,
-                        num_key_value_heads=4 // gqa, head_dim=16, block_size=block_size, target_layer_ids=list(layers),
-                        mask_token_id=V - 1, vocab_size=V, rope_theta=10000.0)
+    return DrafterConfig(num_layers=2, hidden_size=H, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=4 // gqa, head_dim=16, block_size=block_size,
+                         target_layer_ids=list(layers), mask_token_id=V - 1, vocab_size=V, rope_theta=10000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096, **fields)
+
+
+def tiny_drafter(seed=0, layers=(1, 3), block_size=B, gqa=2, **fields) -> Drafter:
+    cfg = tiny_config(layers, block_size, gqa, **fields)
     g = torch.Generator().manual_seed(seed)
     model = Drafter(cfg, torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2)
     model.reset_parameters(std=0.1, seed=seed)
@@ -94,6 +102,63 @@ def test_fast_loss_and_gradients_match_the_naive_reference(block_size, gqa, labe
     assert torch.equal(out.slot_correct, correct) and torch.equal(out.slot_count, count)
 
 
+# document lengths 30, 25, 20: windows as short as the block (shorter than every document), equal to one
+# document, longer than all
+@pytest.mark.parametrize("causal", [False, True], ids=["whole block", "causal block"])
+@pytest.mark.parametrize("window", ["block", 25, 200, None])
+@pytest.mark.parametrize("loss", ["decay", "dpace"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_dpace_and_sliding_window_match_the_naive_reference(block_size, loss, window, causal):
+    """D-PACE's weights (from the rows' own cross-entropies, without gradient), the sliding window over
+    the context (measured from each slot) and a causal block give the plain formula's loss and gradients."""
+    window = block_size if window == "block" else window
+    seed = block_size + (window or 0) + causal
+    model = tiny_drafter(seed, block_size=block_size, sliding_window=window, causal_block=causal)
+    shard = random_shard(seed)
+    kw = dict(gamma=3.0, loss=loss, dpace_alpha=0.3, labels_from="target")
+    out = drafter_loss(model, **shard, num_anchors=24, ce_chunk=7, generator=torch.Generator().manual_seed(seed),
+                       **kw)
+    out.loss.backward()
+    fast = grads(model)
+    model.zero_grad()
+    ref, correct, count = naive_loss(model, **shard, anchors=out.anchors, **kw)
+    ref.backward()
+    assert out.anchor_ok.sum() >= 16
+    assert rel_err(out.loss.detach(), ref.detach()) < 1e-5
+    slow = grads(model)
+    for name in fast:
+        assert rel_err(fast[name], slow[name]) < 1e-4, name
+    assert torch.equal(out.slot_correct, correct) and torch.equal(out.slot_count, count)
+
+
+def test_a_window_changes_the_loss_only_where_it_cuts_the_context():
+    """The window is measured from each slot: W = 30 cuts the first token of a 30-token document for the
+    late slots of its late anchors; a window past every slot's position (30 + B) is full attention."""
+    shard, anchors = random_shard(5), torch.tensor([3, 12, 28, 33, 50, 57, 70, 72])
+    losses = {w: drafter_loss(tiny_drafter(5, sliding_window=w), **shard, num_anchors=8, anchors=anchors).loss
+              for w in (None, 30 + B, 30, B)}
+    assert losses[30 + B].item() == pytest.approx(losses[None].item(), rel=1e-6)
+    assert losses[30].item() != pytest.approx(losses[None].item(), rel=1e-6)
+    assert abs(losses[B].item() - losses[None].item()) > 1e-3
+
+
+def test_dpace_weights_follow_the_formula():
+    ce = torch.tensor([[0.1, 2.0, 0.5, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    supervised = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    w = dpace_weights(ce, supervised, alpha=0.5)
+    for row in range(2):
+        expected = dpace_slot_weights([x if s else None for x, s in zip(ce[row].tolist(), supervised[row])], 0.5)
+        torch.testing.assert_close(w[row], torch.tensor(expected))
+    q = 0.5 * torch.exp(-torch.tensor(1.0)) + 0.5  # row 1: C_j = q^j, w_j = sum over m >= j of q^m
+    torch.testing.assert_close(w[1], torch.stack([sum(q ** m for m in range(j, 5)) for j in range(1, 5)]))
+    # row 0: slot 3 has no label: q~ = 1 in the product (slot 4 keeps C_2), weight 0
+    q0 = 0.5 * torch.exp(-ce[0]) + 0.5
+    c1, c2 = q0[0], q0[0] * q0[1]
+    c4 = c2 * q0[3]
+    torch.testing.assert_close(w[0], torch.stack([c1 + c2 + c2 + c4, c2 + c2 + c4, torch.tensor(0.0), c4]))
+    assert torch.allclose(dpace_weights(ce, supervised, alpha=1.0)[1], torch.tensor([4.0, 3.0, 2.0, 1.0]))
+
+
 def test_packing_is_invisible():
     """A document's loss is the same alone at offset 0 as packed behind others."""
     model = tiny_drafter(3)
@@ -111,8 +176,10 @@ def test_packing_is_invisible():
     assert rel_err(a.loss.detach(), b.loss.detach()) < 1e-5
 
 
-def test_flex_attention_forward_matches_sdpa_on_cpu():
-    model, shard = tiny_drafter(4), random_shard(4, T=128, doc_lens=(60, 40))
+@pytest.mark.parametrize("window, causal", [(None, False), (12, False), (12, True)])
+def test_flex_attention_forward_matches_sdpa_on_cpu(window, causal):
+    model = tiny_drafter(4, sliding_window=window, causal_block=causal)
+    shard = random_shard(4, T=128, doc_lens=(60, 40))
     anchors = torch.tensor([3, 10, 20, 33, 50, 61, 70, 90])
     with torch.no_grad():
         a = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, attention="dense")
@@ -120,7 +187,8 @@ def test_flex_attention_forward_matches_sdpa_on_cpu():
     assert rel_err(a.loss, b.loss) < 1e-5
 
 
-def test_block_attention_matches_sdpa_with_the_dense_mask():
+@pytest.mark.parametrize("window, causal", [(None, False), (B, True), (20, False)])
+def test_block_attention_matches_sdpa_with_the_dense_mask(window, causal):
     """The CPU path scores each query against its own block only: outputs and gradients equal dense SDPA."""
     lay = layout(torch.tensor([40, 30, 0], dtype=torch.int32), 80)
     anchors = torch.tensor([0, 5, 17, 39, 40, 52, 60, 68])  # 0 and 40 see no context: only their block
@@ -130,7 +198,8 @@ def test_block_attention_matches_sdpa_with_the_dense_mask():
                for n, m in ((nq, A * B), (nkv, T + A * B), (nkv, T + A * B)))
     grad_out = torch.randn(1, nq, A * B, D, generator=g)
     results = []
-    for attend in (block_attention(context_mask(anchors, lay, B), B), sdpa_attention(dense_mask(anchors, lay, B))):
+    for attend in (block_attention(context_mask(anchors, lay, B, window), B, causal),
+                   sdpa_attention(dense_mask(anchors, lay, B, window, causal))):
         out = attend(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         results.append((out, *grads))
@@ -178,13 +247,17 @@ BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_
                      "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-@pytest.mark.parametrize("T, doc_lens, A, block_size", [
-    (3072, (1000, 900, 700, 400), 64, 16),  # whole tiles
-    (1000, (300, 2, 450, 200), 40, 10),  # T and A*B not multiples of 128; B does not divide 128
-    (384, (384,), 24, 128),  # blocks as wide as a tile: full tiles inside a block
-    (700, (50, 600), 7, 3),  # one query tile
+@pytest.mark.parametrize("T, doc_lens, A, block_size, window, causal", [
+    (3072, (1000, 900, 700, 400), 64, 16, None, False),  # whole tiles
+    (3072, (1000, 900, 700, 400), 64, 16, 300, False),  # a window shorter than the documents
+    (3072, (1000, 900, 700, 400), 64, 16, 1000, True),  # as long as the longest; causal blocks
+    (1000, (300, 2, 450, 200), 40, 10, None, False),  # T and A*B not multiples of 128; B does not divide 128
+    (1000, (300, 2, 450, 200), 40, 10, 10, True),  # a window as short as the block
+    (384, (384,), 24, 128, None, False),  # blocks as wide as a tile: full tiles inside a block
+    (384, (384,), 24, 128, 200, True),
+    (700, (50, 600), 7, 3, None, True),  # one query tile
 ])
-def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size):
+def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size, window, causal):
     """Every tensor of the BlockMask built from intervals equals torch's, built by evaluating the mask
     per element, so the kernels visit the same tiles in the same order."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -194,14 +267,19 @@ def test_flex_block_mask_equals_create_block_mask(T, doc_lens, A, block_size):
     valid = lay.real.clone()
     valid[torch.tensor(doc_lens).cumsum(0)[:-1]] = True  # anchors at document starts see no context
     anchors, _ = sample_anchors(valid, A, g)
-    ours = flex_block_mask(anchors, lay, block_size)
+    ours = flex_block_mask(anchors, lay, block_size, window, causal)
     theirs = create_block_mask(ours.mask_mod, 1, 1, A * block_size, T + A * block_size, device="cpu")
     assert ours.seq_lengths == theirs.seq_lengths and ours.BLOCK_SIZE == theirs.BLOCK_SIZE
     for name in BLOCK_MASK_FIELDS:
         a, b = getattr(ours, name), getattr(theirs, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    dense = dense_mask(anchors, lay, block_size)
-    assert torch.equal(dense, torch.nn.attention.flex_attention.create_mask(ours.mask_mod, 1, 1, *dense.shape)[0, 0])
+    dense = dense_mask(anchors, lay, block_size, window, causal)
+    assert torch.equal(dense, torch.nn.attention.flex_attention.create_mask(ours.mask_mod, 1, 1, *dense.shape,
+                                                                            device="cpu")[0, 0])
+    ok = torch.rand(A, generator=g) > 0.2  # the FLOP count's keys: what the mask shows real anchors, a block others
+    seen = dense.view(A, block_size, -1).sum((1, 2))
+    own = block_size * (block_size + 1) // 2 if causal else block_size**2
+    assert visible_keys(anchors, ok, lay, block_size, window, causal) == torch.where(ok, seen, own).sum()
 
 
 def test_flex_block_mask_leaves_no_sort_or_scan_for_the_compiler():
@@ -225,34 +303,41 @@ def test_blocks_labels_and_weights():
     loss_mask = torch.ones(T, dtype=torch.uint8)
     loss_mask[9] = 0
     anchors, ok = torch.tensor([4, 8]), torch.tensor([True, True])
-    b = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7, gamma=2.0,
+    b = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7,
                     labels_from="data")
     assert b.ids.tolist() == [104, 7, 7, 7, 108, 7, 7, 7]
     assert b.pos.tolist() == [4, 5, 6, 7, 1, 2, 3, 4]  # positions restart in every document
     assert b.labels.tolist() == [[105, 106, 107], [109, 110, 111]]
     w = torch.exp(-torch.arange(3) / 2.0)
     # anchor 4: slots 1, 2 inside document 0 (ends at 7), slot 3 past its end; anchor 8: slot 1 has no loss
-    torch.testing.assert_close(b.weights, torch.stack([w * torch.tensor([1, 1, 0]), w * torch.tensor([0, 1, 1])]))
-    t = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7, gamma=2.0,
+    assert b.supervised.tolist() == [[True, True, False], [False, True, True]]
+    torch.testing.assert_close(decay_weights(b.supervised, 2.0),
+                               torch.stack([w * torch.tensor([1, 1, 0]), w * torch.tensor([0, 1, 1])]))
+    t = make_blocks(anchors, ok, lay, input_ids, target_ids, loss_mask, block_size=4, mask_token_id=7,
                     labels_from="target")
     assert t.labels.tolist() == [[204, 205, 206], [208, 209, 210]]  # target_ids[t-1] predicts token t
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
 
 
-def test_chunked_head_cross_entropy_matches_full_logits():
+@pytest.mark.parametrize("weighting", ["fixed", "from the rows' CE"])
+def test_chunked_head_cross_entropy_matches_full_logits(weighting):
+    """Weights that are constants or computed from the rows' own CE (D-PACE's kind, without gradient) scale
+    the per-row gradients exactly as a full-logits loss with the same detached weights does."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 32, generator=g, requires_grad=True)
     W = torch.randn(500, 32, generator=g)
     y = torch.randint(0, 500, (37,), generator=g)
-    w = torch.rand(37, generator=g)
-    total, correct = head_cross_entropy(h, W, y, w, chunk=8)
+    fixed = torch.rand(37, generator=g)
+    weigh = (lambda ce: fixed) if weighting == "fixed" else (lambda ce: torch.exp(-ce) + 0.1)
+    total, w, correct = head_cross_entropy(h, W, y, weigh, chunk=8)
     total.backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.t()
-    ref = (w * F.cross_entropy(logits, y, reduction="none")).sum()
+    ce = F.cross_entropy(logits, y, reduction="none")
+    ref = (weigh(ce.detach()) * ce).sum()
     ref.backward()
     assert rel_err(total.detach(), ref.detach()) < 1e-6 and rel_err(h.grad, h2.grad) < 1e-5
-    assert torch.equal(correct, logits.argmax(-1) == y)
+    assert rel_err(w, weigh(ce.detach())) < 1e-6 and torch.equal(correct, logits.argmax(-1) == y)
 
 
 @pytest.mark.parametrize("vocab_size,rows", [(151936, 2048), (128256, 2048), (262144, 1024), (4096, 65536)])
@@ -268,12 +353,13 @@ def test_chunked_cross_entropy_compiled_as_one_region_matches_eager():
     last chunk) instead of unrolled copies: the same loss, argmax and gradient as eagerly."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)
-    W, y, w = torch.randn(64, 16, generator=g), torch.randint(0, 64, (37,), generator=g), torch.rand(37, generator=g)
-    total, correct = head_cross_entropy(h, W, y, w, chunk=8)
+    W, y = torch.randn(64, 16, generator=g), torch.randint(0, 64, (37,), generator=g)
+    weigh = lambda ce: torch.exp(-ce)  # noqa: E731
+    total, _, correct = head_cross_entropy(h, W, y, weigh, chunk=8)
     total.backward()
     h2 = h.detach().clone().requires_grad_()
-    compiled = torch.compile(lambda *a: head_cross_entropy(*a, chunk=8, region=True), backend="aot_eager")
-    total2, correct2 = compiled(h2, W, y, w)
+    compiled = torch.compile(lambda *a: head_cross_entropy(*a, weigh, chunk=8, region=True), backend="aot_eager")
+    total2, _, correct2 = compiled(h2, W, y)
     total2.backward()
     assert rel_err(total2.detach(), total.detach()) < 1e-6 and rel_err(h2.grad, h.grad) < 1e-6
     assert torch.equal(correct2, correct)
@@ -316,4 +402,14 @@ def test_replay_cycles_follows_decoding_order():
     accepted_at = torch.tensor([-1, 2, 0, 5, 1, 0, -1, 3, 0, 0])
     doc_end = torch.tensor([6] * 6 + [10] * 4)
     # doc 0: first anchor 1 accepts 2 -> next cycle at 4 accepts 1 -> 6 is doc 1's; doc 1: 7 accepts 3 -> end
-    assert replay_cycles(accepted_at, doc_end) == [2, 1, 3]
+    assert replay_cycles(accepted_at, doc_end) == [[2, 1], [3]]
+
+
+def test_tau_pooled_and_per_request():
+    from dflash.evaluate import per_request_tau
+
+    # request 1: 3 verify steps, 6 accepted -> 3.0; request 2: one step, 0 accepted -> 1.0
+    requests = [[2, 1, 3], [0], []]
+    assert per_request_tau(requests) == pytest.approx(2.0)
+    pooled = 1 + sum(map(sum, requests)) / sum(map(len, requests))
+    assert pooled == pytest.approx(2.5)

@@ -97,7 +97,7 @@ def test_export_writes_the_reference_format(trained_run, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 16
     assert config["num_target_layers"] == 6 and config["layer_types"] == ["full_attention"] * 2
-    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 2, 3]}
+    assert config["dflash_config"] == {"block_size": 16, "mask_token_id": 3, "target_layer_ids": [1, 2, 3]}
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "rms_norm_eps", "rope_theta", "vocab_size", "num_hidden_layers"):
         assert field in config
