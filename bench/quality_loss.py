@@ -7,14 +7,19 @@ a sliding window with full attention (documents longer than the window).
    or `--gen`: an earlier call's generations). The distinct texts are packed, in their files' order, into
    documents of up to `--doc-tokens` tokens (functions of one module after another, as a source file
    reads), so a 2048-token window cuts real context.
-2. One cache (`dflash extract`, target layers 1, 3, 5, T = 4096).
+2. One cache (`dflash extract`, target layers 1, 3, 4: servable, the last layer is not; T = 4096).
 3. The runs of `RUNS` at once on the one GPU, each `--steps` steps (the same schedule, seeds 0/1),
    checkpoints every `--save-every`: if the call's budget cuts them, they are compared at the last step all of
-   them saved.
-4. Each run's checkpoint at that step: offline tau (pooled, per document, walk) on the held-out shards and an
-   export, returned in one archive for `dflash spec` (online tau) on the workstation.
+   them saved, if every run still holds it (a run keeps its newest two checkpoints: size `--steps` so that
+   all finish; eight runs side by side on an H200 did ~20 steps/s each, after a ~50 s cold compile).
+4. Each run's checkpoint at that step: offline tau (pooled, per document, anchor mean) on the held-out shards, an
+   export, and online tau (`dflash spec`, lossless) on the 100 held-out code prompts; then, for the runs
+   of `LONG`, on long prompts (about 3,000 tokens: other held-out functions with the target's own bodies,
+   then a header), where a 2048-token window cuts the context.
+5. What comes back: summary.json, log.txt, the generations (a later call's --gen), logs.tar.gz (training
+   logs, spec outputs) and drafters.tar.gz (the exports of `--return`).
 
-    source bench/setup_device.sh || exit; python3 bench/quality_loss.py --out $OUT --budget 560
+    source bench/setup_device.sh || exit; python3 bench/quality_loss.py --out $OUT --budget 580
     python bench/quality_loss.py --smoke --out /tmp/ql      # toy sizes on the CPU, to check the script
 """
 
@@ -45,6 +50,7 @@ RUNS = {
     "w2048-causal-s0": ["--loss", "decay", "--seed", "0", "--sliding-window", "2048", "--causal-block"],
     "w256-s0": ["--loss", "decay", "--seed", "0", "--sliding-window", "256"],
 }
+LONG = ("decay-s0", "decay-s1", "w2048-s0", "w2048-s1", "w2048-causal-s0", "w256-s0")  # online on long prompts
 
 
 def elapsed() -> float:
@@ -86,6 +92,28 @@ def long_documents(gen: Path, out: Path, doc_tokens: int, target: Path) -> dict:
             "over_2048": sum(n > 2048 for n in lengths)}
 
 
+def make_long_prompts(answers: Path, out: Path, n: int, target: Path, tokens: int) -> dict:
+    """Long prompts from held-out material only: prompt j is other held-out headers with the target's own
+    greedy bodies (`dflash spec --save-outputs`), as many as fit in `tokens`, then header j."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = [json.loads(x) for x in answers.read_text().splitlines()]
+    texts = [r["prompt"] + r["completion"] for r in rows]
+    sizes = [len(tok(t)["input_ids"]) for t in texts]
+    prompts, lengths = [], []
+    for j in range(min(n, len(rows))):
+        parts, used, k = [], len(tok(rows[j]["prompt"])["input_ids"]), j + 1
+        while k < j + len(rows) and used + sizes[k % len(rows)] + 2 <= tokens:
+            parts.append(texts[k % len(rows)])
+            used += sizes[k % len(rows)] + 2
+            k += 1
+        prompts.append("\n\n".join([*parts, rows[j]["prompt"]]))
+        lengths.append(used)
+    out.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    return {"prompts": len(prompts), "min_tokens": min(lengths), "median_tokens": sorted(lengths)[len(lengths) // 2]}
+
+
 def checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
                   if (p / "state.json").exists())
@@ -106,9 +134,16 @@ def main() -> None:
     ap.add_argument("--prompts", default=".qdata/code_all.jsonl", help="headers for the target to continue")
     ap.add_argument("--gen", help="already generated rows (skips regenerate; .jsonl or .jsonl.gz)")
     ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--steps", type=int, default=8000)
-    ap.add_argument("--save-every", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--doc-tokens", type=int, default=3800)
+    ap.add_argument("--limit", type=int, default=24000, help="headers regenerated (of ~48 K)")
+    ap.add_argument("--reserve", type=float, default=200, help="seconds kept after training: eval, export, spec")
+    ap.add_argument("--spec-prompts", type=int, default=100)
+    ap.add_argument("--long-prompts", type=int, default=40)
+    ap.add_argument("--return", dest="ret", default="decay-s0,dpace-s0",
+                    help="runs whose exports come back (`all`: every run), two per archive (16 MiB a file)")
+    ap.add_argument("--no-spec", action="store_true", help="no online tau here (run dflash spec on the exports)")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -117,6 +152,8 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     log = out / "log.txt"
+    logs = work / "logs"
+    logs.mkdir()
     dev = "cpu" if args.smoke else "cuda"
     summary: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": {}}
 
@@ -126,7 +163,7 @@ def main() -> None:
     tests = None
     if not args.no_tests and not args.smoke:
         tests = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"],
-                                 stdout=(out / "gpu-tests.log").open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+                                 stdout=(logs / "gpu-tests.log").open("w"), stderr=subprocess.STDOUT, cwd=REPO)
 
     gen = work / "gen.jsonl"
     if args.gen:
@@ -134,7 +171,7 @@ def main() -> None:
         with opener(args.gen, "rb") as src, gen.open("wb") as dst:
             shutil.copyfileobj(src, dst)
     else:
-        limit = ["--limit", "60"] if args.smoke else []
+        limit = ["--limit", "60" if args.smoke else str(args.limit)]
         summary["seconds"]["regenerate"] = run(
             [*DFLASH, "regenerate", "--target", "data/tiny-target", "--data", args.prompts, "--out", str(gen),
              "--prompt-tokens", "100000", "--max-new-tokens", "192", "--batch-size", "8" if args.smoke else "1024",
@@ -148,14 +185,14 @@ def main() -> None:
     cache = work / "cache"
     T = 512 if args.smoke else 4096
     summary["seconds"]["extract"] = run(
-        [*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(cache), "--layers", "1,3,5", "--data",
+        [*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(cache), "--layers", "1,3,4", "--data",
          str(docs), "--token-budget", str(T), "--max-docs", "8", "--device", dev,
          *([] if args.smoke else ["--batch-size", "64", "--batch-tokens", "131072"])], log)
     save()
 
     steps = 12 if args.smoke else args.steps
     names = args.runs.split(",")
-    common = ["train", "--config", "configs/tiny.toml", "--cache", str(cache), "--layers", "1,3,5", "--num-layers",
+    common = ["train", "--config", "configs/tiny.toml", "--cache", str(cache), "--layers", "1,3,4", "--num-layers",
               "2" if args.smoke else "4", "--num-anchors", "32" if args.smoke else "512", "--lr", "3e-3",
               "--holdout-shards", "2" if args.smoke else "16", "--eval-every", "0", "--max-steps", str(steps),
               "--log-every", "4" if args.smoke else "200", "--save-every", str(4 if args.smoke else args.save_every),
@@ -164,9 +201,9 @@ def main() -> None:
     procs = {}
     for name in names:
         procs[name] = subprocess.Popen([*DFLASH, *common, "--out", str(work / name), *RUNS[name]],
-                                       stdout=(out / f"train-{name}.log").open("w"), stderr=subprocess.STDOUT,
+                                       stdout=(logs / f"train-{name}.log").open("w"), stderr=subprocess.STDOUT,
                                        cwd=REPO)
-    reserve = 10 if args.smoke else 75  # eval and export of every run
+    reserve = 30 if args.smoke else args.reserve  # eval, export and spec of every run
     for name, p in procs.items():
         try:
             p.wait(timeout=max(1.0, args.budget - reserve - elapsed()))
@@ -185,20 +222,58 @@ def main() -> None:
     summary["runs"] = {}
     for name in names:
         keep_only(work / name, common_step)
-        ev = subprocess.run([*DFLASH, "eval", "--drafter", str(work / name), "--cache", str(cache), "--json",
-                             "--device", dev], capture_output=True, text=True, cwd=REPO)
-        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-        steps_logged = [x for x in lines if "loss" in x and x["step"] <= common_step]
         fmt = "zlab" if "--sliding-window" not in RUNS[name] or "--causal-block" in RUNS[name] else "speculators"
         subprocess.run([*DFLASH, "export", str(work / name), "--out", str(bundle / name), "--format", fmt],
                        capture_output=True, cwd=REPO)
-        summary["runs"][name] = {"options": RUNS[name], "eval": json.loads(ev.stdout) if ev.returncode == 0
-                                 else ev.stderr[-400:], "last_log": steps_logged[-1] if steps_logged else None,
+    evals = {name: subprocess.Popen([*DFLASH, "eval", "--drafter", str(work / name), "--cache", str(cache), "--json",
+                                     "--device", dev], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    cwd=REPO) for name in names}
+    for name in names:
+        stdout, stderr = evals[name].communicate()
+        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
+        steps_logged = [x for x in lines if "loss" in x and x["step"] <= common_step]
+        summary["runs"][name] = {"options": RUNS[name], "eval": json.loads(stdout) if evals[name].returncode == 0
+                                 else stderr[-400:], "last_log": steps_logged[-1] if steps_logged else None,
                                  "first_step_s": next((x.get("first_step_s") for x in lines if "first_step_s" in x),
                                                       None)}
+    save()
+
+    def spec_all(runs, prompts: Path, key: str, max_new: int, limit: int, save_outputs: str | None = None):
+        """`dflash spec` of every run at once on the GPU, each result under summary["runs"][run][key]."""
+        procs = {}
+        for name in runs:
+            extra = ["--save-outputs", str(work / f"{name}-{key}.answers.jsonl")] if name == save_outputs else []
+            procs[name] = subprocess.Popen(
+                [*DFLASH, "spec", "--target", "data/tiny-target", "--drafter", str(bundle / name), "--prompts",
+                 str(prompts), "--max-new-tokens", str(max_new), "--limit", str(limit), "--device", dev, "--json",
+                 *extra], stdout=subprocess.PIPE, stderr=(logs / f"spec-{key}-{name}.log").open("w"), text=True,
+                cwd=REPO)
+        for name, p in procs.items():
+            try:
+                stdout, _ = p.communicate(timeout=max(1.0, args.budget - 5 - elapsed()))
+                result = json.loads(stdout.strip().splitlines()[-1]) if p.returncode == 0 else f"rc {p.returncode}"
+            except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+                p.kill()
+                result = f"no result: {type(e).__name__}"
+            summary["runs"][name][key] = result
         save()
-    with tarfile.open(out / "drafters.tar.gz", "w:gz") as tar:
-        tar.add(bundle, arcname="drafters")
+
+    n_short = 4 if args.smoke else args.spec_prompts
+    if not args.no_spec:
+        spec_all(names, REPO / "data" / "sample" / "code_prompts.jsonl", "spec", 16 if args.smoke else 128,
+                 n_short, save_outputs=names[0])
+    answers = work / f"{names[0]}-spec.answers.jsonl"
+    if answers.exists() and not args.no_spec:
+        long_prompts = work / "long_prompts.jsonl"
+        summary["long_prompts"] = make_long_prompts(answers, long_prompts, 4 if args.smoke else args.long_prompts,
+                                                    REPO / "data" / "tiny-target", 3300)
+        spec_all([n for n in names if n in LONG], long_prompts, "spec_long", 16 if args.smoke else 128,
+                 4 if args.smoke else args.long_prompts)
+    returned = [n for n in (names if args.ret == "all" else args.ret.split(",")) if (bundle / n).exists()]
+    for i in range(0, len(returned), 2):
+        with tarfile.open(out / f"drafters-{i // 2}.tar.gz", "w:gz") as tar:
+            for name in returned[i : i + 2]:
+                tar.add(bundle / name, arcname=f"drafters/{name}")
     if tests is not None:
         try:
             summary["gpu_tests_rc"] = tests.wait(timeout=max(1.0, args.budget - elapsed()))
@@ -207,17 +282,25 @@ def main() -> None:
             summary["gpu_tests_rc"] = "killed at the budget"
     summary["seconds"]["total"] = elapsed()
     save()
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname="logs")
+        for f in work.glob("*.answers.jsonl"):
+            tar.add(f, arcname=f"logs/{f.name}")
 
     print(f"\ncompared at step {common_step}; data {summary['data']}; seconds {summary['seconds']}")
-    print("| run | loss | tau pooled | tau per doc | tau walk | train tau walk |")
+    print("| run | loss | offline tau pooled / per doc / anchors | train walk | online tau pooled / per request "
+          "(lossless) | long prompts |")
     print("|---|---|---|---|---|---|")
+
+    def online(r):
+        return f"{r['tau']:.3f} / {r['tau_per_request']:.3f} ({r['lossless']})" if isinstance(r, dict) else str(r)
+
     for name, r in summary["runs"].items():
         e, last = r["eval"], r["last_log"] or {}
-        if not isinstance(e, dict):
-            print(f"| {name} | eval failed: {str(e)[-120:]} |")
-            continue
-        print(f"| {name} | {last.get('loss', float('nan')):.3f} | {e['tau']:.3f} | {e['tau_per_request']:.3f} | "
-              f"{e['tau_walk']:.3f} | {last.get('tau_walk', float('nan')):.3f} |")
+        offline = (f"{e['tau']:.3f} / {e['tau_per_request']:.3f} / {e['tau_anchors']:.3f}" if isinstance(e, dict)
+                   else f"failed: {str(e)[-80:]}")
+        print(f"| {name} | {last.get('loss', float('nan')):.3f} | {offline} | {last.get('tau_walk', float('nan')):.3f} "
+              f"| {online(r.get('spec'))} | {online(r.get('spec_long', '-'))} |")
     print(f"gpu tests rc {summary.get('gpu_tests_rc')}")
 
 

@@ -24,7 +24,7 @@ def evaluate(drafter, cache, shards, max_shards, device, as_json):
 
     Decoding is replayed document by document (a verify step per block, as `dflash spec` counts): tau is
     pooled over all verify steps (as vLLM and SGLang log it), tau_per_request the mean of each document's;
-    tau_walk is the mean over every anchor (the walk SpecForge logs in training)."""
+    tau_anchors is the mean over every anchor, decoding order playing no part."""
     from dflash.evaluate import evaluate as run
 
     result = run(drafter, cache, shards, device, max_shards)
@@ -34,5 +34,5 @@ def evaluate(drafter, cache, shards, max_shards, device, as_json):
     slots = " ".join(f"{p:.2f}" for p in result["per_slot"])
     click.echo(f"tau {result['tau']:.3f} pooled over {result['cycles']} verify steps of {result['block_size']} "
                f"({len(result['shards'])} shards); {result['tau_per_request']:.3f} mean over {result['documents']} "
-               f"documents; walk {result['tau_walk']:.3f} over all {result['blocks']} anchors\n"
+               f"documents; mean over all {result['blocks']} anchors {result['tau_anchors']:.3f}\n"
                f"acceptance by slot: {slots}")

@@ -231,10 +231,10 @@ class TrainConfig(_Checked):
     """The drafter's shape; its fields are options (and `[train]` keys) of their own."""
     num_anchors: int = 512
     """A: anchors (blocks) per shard and step."""
-    loss: Literal["dpace", "decay"] = "decay"
-    """Weights of the draft slots in the loss. `decay`: a fixed exp(-(k-1)/gamma) for slot k. `dpace`: D-PACE,
-    each slot weighted by the expected number of accepted drafts it can still contribute to, from the
-    drafter's current per-slot likelihoods (weights carry no gradient)."""
+    loss: Literal["dpace", "decay"] = "dpace"
+    """Weights of the draft slots in the loss. `dpace`: D-PACE, each slot weighted by the expected number of
+    accepted drafts it can still lead to, from the drafter's current per-slot likelihoods (the weights carry
+    no gradient). `decay`: the original fixed exp(-(k-1)/gamma) for slot k."""
     gamma: float | None = None
     """`--loss decay`: decay over block slots (None: 7 for B = 16, 5 for 10, 4 for 8)."""
     dpace_alpha: float = 0.5

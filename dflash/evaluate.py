@@ -4,12 +4,14 @@ For every valid anchor of the evaluated shards, the drafter proposes B-1 tokens 
 accepted while they equal the target's own greedy predictions (`target_ids`, recorded at extraction).
 A verify step yields its accepted drafts + 1 (the target's bonus token). Three averages, each named:
 
-- `tau` (pooled): 1 + all accepted drafts / all verify steps, over decoding replayed document by document;
-  what vLLM and SGLang log while serving.
+- `tau` (pooled): 1 + all accepted drafts / all verify steps, over decoding replayed document by document
+  (the walk over every anchor); what vLLM and SGLang log while serving.
 - `tau_per_request`: the mean over documents of each one's pooled tau; what a benchmark that averages
   per request (SpecForge's) reports.
-- `tau_walk`: 1 + the mean accepted drafts over every anchor, the walk from each anchor that SpecForge
-  logs while training (over its sampled anchors): decoding order plays no part.
+- `tau_anchors`: 1 + the mean accepted drafts over every anchor, decoding order playing no part.
+
+The training log's `tau_walk` is SpecForge's walk over the step's own sampled anchors (`walk_tau`): the
+same walk as `tau`'s, on the anchors a step drew rather than on every position.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
       cycle starts at p + a + 1 (the target's bonus token). On a cache of the target's own greedy answers
       this is the online tau, up to the bf16 rounding of the stored states. `tau_per_request`: the mean
       over documents of each one's tau.
-    - `tau_walk`, `per_slot_walk`: the mean over every anchor. Higher on repetitive text: decoding
+    - `tau_anchors`, `per_slot_anchors`: the mean over every anchor. Higher on repetitive text: decoding
       spends more cycles where the drafter fails, since each failure starts one."""
     B, window, causal = drafter.cfg.block_size, drafter.cfg.sliding_window, drafter.cfg.causal_block
     head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
@@ -72,10 +74,25 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
     if not per_anchor:
         raise DflashError("no valid anchor in the evaluated shards")
     cycles = [a for doc in documents for a in doc]
-    per_slot, per_slot_walk = by_slot(cycles, B), by_slot(per_anchor, B)
+    per_slot, per_slot_anchors = by_slot(cycles, B), by_slot(per_anchor, B)
     return {"tau": 1.0 + sum(per_slot), "tau_per_request": per_request_tau(documents), "per_slot": per_slot,
-            "tau_walk": 1.0 + sum(per_slot_walk), "per_slot_walk": per_slot_walk, "cycles": len(cycles),
+            "tau_anchors": 1.0 + sum(per_slot_anchors), "per_slot_anchors": per_slot_anchors, "cycles": len(cycles),
             "documents": len(documents), "blocks": len(per_anchor), "shards": shards, "block_size": B}
+
+
+def walk_tau(anchors, anchor_ok, anchor_doc, accepted) -> tuple[int, int]:
+    """SpecForge's walk over sampled anchors (its `compute_walk_accepted_length_terms`): per document, from its
+    start, visit the next real anchor at or after the resume position, credit its accepted drafts + 1 and
+    resume past them. Returns (tokens credited, visits); tau_walk = their ratio. Sequences of [A] (anchors
+    sorted), one step's or several steps' concatenated."""
+    total = visits = 0
+    resume, doc_now = 0, None
+    for p, ok, doc, a in zip(anchors, anchor_ok, anchor_doc, accepted):
+        if doc != doc_now:
+            resume, doc_now = 0, doc
+        if ok and p >= resume:
+            total, visits, resume = total + a + 1, visits + 1, p + a + 1
+    return total, visits
 
 
 def per_request_tau(requests: list[list[int]]) -> float:

@@ -51,8 +51,7 @@ class StepResult(NamedTuple):
     weight_sum: torch.Tensor  # [] sum of the slot weights: the loss's normaliser
     slot_correct: torch.Tensor  # [B-1] correct predictions among the trained slots
     slot_count: torch.Tensor  # [B-1] trained slots
-    walk_accepted: torch.Tensor  # [] drafts greedy verification would accept, summed over the step's real anchors
-    real_anchors: torch.Tensor  # [] anchors drawn from valid positions
+    walk: torch.Tensor  # [4, A] the step's anchors, which are real, their documents, their accepted drafts
     visible_keys: torch.Tensor  # [] keys seen by all block queries together (the FLOP count's attention term)
     grad_norm: torch.Tensor  # [] global gradient norm, before clipping
 
@@ -96,7 +95,7 @@ class Metrics:
     def _reset(self) -> None:
         z, B = self._zero, self.dcfg.block_size
         self.loss, self.wsum, self.visible, self.grad_norm = z(()), z(()), z(()), z(())
-        self.walk, self.walks = z(()), z(())  # accepted drafts of the walks from the step's anchors, and anchors
+        self.walks = []  # each step's walk inputs (clones: a CUDA-graph replay overwrites its outputs)
         self.correct, self.count, self.steps = z(B - 1), z(B - 1), 0
 
     def add(self, out: StepResult, step: int) -> None:
@@ -107,8 +106,7 @@ class Metrics:
         self.correct += out.slot_correct
         self.count += out.slot_count
         self.visible += out.visible_keys
-        self.walk += out.walk_accepted
-        self.walks += out.real_anchors
+        self.walks.append(out.walk.clone())
         self.grad_norm += gnorm
         self.steps += 1
         first_bad = ~(loss.isfinite() & gnorm.isfinite()) & (self.bad_step < 0)
@@ -139,7 +137,7 @@ class Metrics:
         record = {"step": step, "loss": (self.loss / self.wsum.clamp(min=1e-6)).item(),
                   "slot_acc": [round(a, 4) for a in (self.correct / self.count.clamp(min=1)).tolist()],
                   "trained_slots_per_step": self.count.sum().item() / n,  # useful draft tokens
-                  "tau_walk": 1 + (self.walk / self.walks.clamp(min=1)).item(),
+                  "tau_walk": self._tau_walk(),
                   "grad_norm": self.grad_norm.item() / n,
                   "lr": lr, "tokens_per_s": n * self.T * self.world / dt,
                   "input_wait": (input_wait_s - self._wait_log) / dt, "epoch": epoch}
@@ -155,13 +153,23 @@ class Metrics:
         self._write(record)
         return record
 
+    def _tau_walk(self) -> float:
+        """SpecForge's walk over the anchors of the steps since the last line (host sync: a line is due)."""
+        from dflash.evaluate import walk_tau
+
+        total = visits = 0
+        for walk in torch.stack(self.walks).tolist():
+            t, v = walk_tau(*walk)
+            total, visits = total + t, visits + v
+        return total / max(visits, 1)
+
     def compiled(self, step: int, record: dict) -> None:
         """How the step compiled (`StepArtifacts.finish`'s record) at the first step of this process."""
         self._write({"step": step, **record})
 
     def tau(self, step: int, result: dict) -> None:
-        self._write({"step": step, "tau": result["tau"], "tau_walk": result["tau_walk"],
-                     "tau_per_request": result["tau_per_request"], "per_slot": result["per_slot"]})
+        self._write({"step": step, "tau": result["tau"], "tau_per_request": result["tau_per_request"],
+                     "tau_anchors": result["tau_anchors"], "per_slot": result["per_slot"]})
 
     def cudagraph_skips(self) -> int:
         return cudagraph_skips() - self._skips_before

@@ -338,9 +338,10 @@ class StepOutput:
     weight_sum: torch.Tensor  # []
     slot_correct: torch.Tensor  # [B-1] correct predictions among trained slots
     slot_count: torch.Tensor  # [B-1] trained slots
-    walk_accepted: torch.Tensor  # [] sum over the real anchors of their accepted drafts (leading correct slots)
+    accepted: torch.Tensor  # [A] drafts greedy verification would accept (leading correct slots) per anchor
     anchors: torch.Tensor  # [A]
     anchor_ok: torch.Tensor  # [A]
+    anchor_doc: torch.Tensor  # [A] document of each anchor
     visible_keys: torch.Tensor  # [] keys seen by all block queries together (for FLOP counts)
 
 
@@ -388,7 +389,7 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
     weight_sum = w.sum()
     correct = correct.view(-1, B - 1) & supervised
     return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum, correct.sum(0), supervised.sum(0),
-                      (accepted_drafts(correct) * anchor_ok).sum(), anchors, anchor_ok,
+                      accepted_drafts(correct), anchors, anchor_ok, lay.doc_id[anchors],
                       visible_keys(anchors, anchor_ok, lay, B, W, causal))
 
 

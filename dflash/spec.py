@@ -22,6 +22,15 @@ from dflash.errors import DflashError
 from dflash.target import Target, decoder_layers
 
 
+def crop_context(ctx_kv: list, ctx_start: int, n: int, window: int | None) -> tuple[list, int]:
+    """The drafter's per-layer context keys/values (positions ctx_start .. n-1) without those no slot of a
+    block at n or later can see again (slot 0 sees p > n - W): a windowed drafter's cache stays W - 1 long."""
+    if window is None or n - ctx_start <= window - 1:
+        return ctx_kv, ctx_start
+    drop = n - (window - 1) - ctx_start
+    return [(k[:, drop:], v[:, drop:]) for k, v in ctx_kv], ctx_start + drop
+
+
 def block_attention_fn(n: int, ctx_start: int, block_size: int, window: int | None, causal: bool, device):
     """Attention of the block at positions n .. n+B-1 over the cached context (positions ctx_start .. n-1)
     and itself: all of it, or with a sliding window W, slot k sees context positions p > n + k - W;
@@ -198,10 +207,7 @@ def _decode(target: Target, drafter: Drafter, cache: RewindableCache, prompt, ma
     out, accepted = [bonus], []
     mask_block = torch.full((B,), cfg.mask_token_id, device=device)
     while len(out) < max_new and out[-1] not in eos:
-        if W is not None and n - ctx_start > W - 1:  # keys no slot can see again: slot 0 sees p > n - W
-            drop = n - (W - 1) - ctx_start
-            ctx_kv = [(k[:, drop:], v[:, drop:]) for k, v in ctx_kv]
-            ctx_start += drop
+        ctx_kv, ctx_start = crop_context(ctx_kv, ctx_start, n, W)
         block = mask_block.clone()
         block[0] = bonus
         attend = block_attention_fn(n, ctx_start, B, W, cfg.causal_block, device)

@@ -32,7 +32,7 @@ from dflash.compile_cache import StepArtifacts, source_hash
 from dflash.config import TrainConfig, flat_dict, resolve_drafter
 from dflash.dist import Dist, close_dist, init_dist
 from dflash.drafter import Drafter, DrafterConfig
-from dflash.drafter_io import copy_weights, read_drafter
+from dflash.drafter_io import FORMATS, check_servable, copy_weights, read_drafter
 from dflash.errors import DflashError
 from dflash.evaluate import acceptance
 from dflash.files import disk_full_is_an_error, write_json_atomic
@@ -69,6 +69,20 @@ def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
                           f"{dcfg.num_key_value_heads} key/value heads")
     if not cache.committed() and not cfg.follow:
         raise DflashError(f"{cache.path}: no committed shard yet (extract still running? use --follow)")
+
+
+def note_exports(dcfg: DrafterConfig, num_target_layers: int, log) -> None:
+    """Say before training what `dflash export` will refuse for this drafter (and why), not after it."""
+    refused = {}
+    for fmt in FORMATS:
+        try:
+            check_servable(dcfg, fmt, num_target_layers)
+        except DflashError as e:
+            refused[fmt] = str(e)
+    if refused:
+        served = [f for f in FORMATS if f not in refused]
+        what = f"exports to {' and '.join(served)} only" if served else "cannot be exported"
+        log(f"note: this drafter {what}: {next(iter(refused.values()))}")
 
 
 def init_weights(drafter: Drafter, path: str) -> None:
@@ -159,8 +173,8 @@ class LossModule(torch.nn.Module):
                            doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, loss=self.cfg.loss,
                            dpace_alpha=self.cfg.dpace_alpha, labels_from=self.cfg.labels, attention=self.attention,
                            ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions)
-        return (out.loss, out.weight_sum, out.slot_correct, out.slot_count, out.walk_accepted, out.anchor_ok.sum(),
-                out.visible_keys)
+        walk = torch.stack([out.anchors, out.anchor_ok.long(), out.anchor_doc, out.accepted.long()])  # [4, A]
+        return out.loss, out.weight_sum, out.slot_correct, out.slot_count, walk, out.visible_keys
 
 
 # -- build, resume, loop ------------------------------------------------------------------------------
@@ -174,6 +188,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     try:
         with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"):
             s = build(cfg, d, device)
+            note_exports(s.dcfg, s.cache.manifest["target"]["num_layers"], log)
             start = resume(s, log)
             if start >= s.total:
                 log(f"{s.run}: already trained for {start} steps: nothing to do")
@@ -353,8 +368,8 @@ def loop(s: Setup, start: int, log) -> dict:
         result = acceptance(s.drafter.eval(), s.cache, s.holdout[: cfg.eval_shards], s.device)
         s.drafter.train()
         metrics.tau(at, result)
-        bar.write(f"step {at}: tau walk {result['tau_walk']:.3f} (mean over anchors), {result['tau']:.3f} pooled "
-                  f"over decoding, on {len(result['shards'])} held-out shards")
+        bar.write(f"step {at}: tau {result['tau']:.3f} (decoding order, pooled), {result['tau_per_request']:.3f} "
+                  f"per document, on {len(result['shards'])} held-out shards")
 
     try:
         for _, inputs in loader:

@@ -224,3 +224,31 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch):
     assert "model.safetensors" in message and f"the run {run} is untouched" in message
     assert "run the same command again" in message
     assert checkpoint.latest(run).name == "step-00000003"
+
+
+def test_training_says_at_its_start_which_exports_will_be_refused():
+    from dflash.train import note_exports
+
+    said = []
+    note_exports(dataclasses.replace(QWEN3_8B, sliding_window=2048), 36, said.append)
+    assert said == [said[0]] and said[0].startswith("note: this drafter exports to speculators only: --format zlab")
+    said.clear()
+    note_exports(dataclasses.replace(QWEN3_8B, target_layer_ids=[1, 35]), 36, said.append)
+    assert said == [said[0]] and said[0].startswith("note: this drafter cannot be exported: the drafter reads the "
+                                                    "target's last layer (35)")
+    said.clear()
+    note_exports(QWEN3_8B, 36, said.append)
+    assert said == []
+
+
+def test_export_cli_takes_a_format_and_refuses_an_unknown_one(tmp_path):
+    from conftest import run_in_process
+
+    run, _ = _run(tmp_path)
+    ok = run_in_process(["export", str(run), "--out", str(tmp_path / "s"), "--format", "speculators",
+                         "--verifier", "Qwen/Qwen3-8B"])
+    assert ok.exit_code == 0 and "speculators layout" in ok.output
+    hf = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert hf["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+    bad = run_in_process(["export", str(run), "--out", str(tmp_path / "x"), "--format", "onnx"])
+    assert bad.exit_code == 2 and "--format" in bad.output and not (tmp_path / "x").exists()

@@ -413,3 +413,26 @@ def test_tau_pooled_and_per_request():
     assert per_request_tau(requests) == pytest.approx(2.0)
     pooled = 1 + sum(map(sum, requests)) / sum(map(len, requests))
     assert pooled == pytest.approx(2.5)
+
+
+def test_the_walk_over_every_anchor_is_decoding_order_and_over_sampled_anchors_skips_ahead():
+    """SpecForge's walk visits the next sampled anchor at or past where decoding would resume; over every
+    anchor it is exactly the replay in decoding order (eval's pooled tau)."""
+    from dflash.evaluate import replay_cycles, walk_tau
+
+    g = torch.Generator().manual_seed(0)
+    ends = torch.tensor([40, 75, 120])
+    T = 120
+    doc = (torch.arange(T)[:, None] >= ends[None, :]).sum(1)
+    doc_end = ends[doc]
+    valid = (torch.rand(T, generator=g) > 0.2) & (torch.arange(T) + 1 < doc_end)
+    acc = torch.randint(0, 6, (T,), generator=g)
+    acc = torch.minimum(acc, doc_end - torch.arange(T) - 2).clamp(min=0)  # drafts stay inside the document
+    accepted_at = torch.where(valid, acc, -1)
+    steps = [a for d in replay_cycles(accepted_at, doc_end) for a in d]
+    total, visits = walk_tau(list(range(T)), valid.tolist(), doc.tolist(), acc.tolist())
+    assert (total, visits) == (sum(steps) + len(steps), len(steps))
+    # sampled anchors 2, 5, 9 of one document, accepting 4, 1, 0: visit 2 (resume at 7), skip 5, visit 9
+    assert walk_tau([2, 5, 9], [True, True, True], [0, 0, 0], [4, 1, 0]) == (5 + 1, 2)
+    # an unused anchor slot is never visited; each document starts its own walk
+    assert walk_tau([1, 3, 50, 52], [True, False, True, True], [0, 0, 1, 1], [5, 0, 0, 0]) == (6 + 1 + 1, 3)

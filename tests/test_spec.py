@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, SAMPLE_CHAT, TINY_TARGET, run_in_process, write_jsonl
+from conftest import REPO, SAMPLE_CHAT, TINY_TARGET, rel_err, run_in_process, write_jsonl
 from dflash.drafter import DrafterConfig
 from dflash.spec import read_prompts, run_spec, speculative_greedy, target_greedy
 from dflash.target import Target
@@ -151,3 +151,26 @@ def test_shipped_drafter_beats_copying_on_held_out_code():
                  str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=4, device="cpu", log=lambda *a: None)
     assert r["lossless"] is True and r["block_size"] == 16
     assert r["tau"] >= 4.0 and r["tau"] > r["ngram_tau"], r  # 5.6 and 2.9 when written
+
+
+@pytest.mark.parametrize("window, causal", [(None, False), (16, False), (16, True), (None, True)])
+def test_decoding_attends_as_training(window, causal):
+    """A block drafted while decoding (context keys cached and cropped to the window) gets the states the
+    training step computes for the same anchor."""
+    from dflash.objective import eager_attention, layout
+    from dflash.spec import block_attention_fn, crop_context
+    from test_objective import tiny_drafter
+
+    model = tiny_drafter(3, block_size=8, sliding_window=window, causal_block=causal)
+    T, n, B = 60, 41, 8
+    hidden = torch.randn(T, 2, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([5] + [model.cfg.mask_token_id] * (B - 1))
+    pos = torch.arange(n, n + B)
+    with torch.no_grad():
+        ctx = model.context(hidden)
+        lay = layout(torch.tensor([T], dtype=torch.int32), T)
+        trained = model(ctx, lay.pos, ids, pos, eager_attention(torch.tensor([n]), lay, B, window, causal))
+        kv, start = crop_context(model.context_kv(ctx[:n], torch.arange(n)), 0, n, window)
+        assert kv[0][0].shape[1] == (n if window is None else window - 1)
+        decoded = model(None, None, ids, pos, block_attention_fn(n, start, B, window, causal, "cpu"), ctx_kv=kv)
+    assert rel_err(decoded, trained) < 1e-5

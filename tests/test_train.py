@@ -50,14 +50,17 @@ def metrics(run: Path) -> list[dict]:
 def test_training_lowers_the_loss(trained_run):
     losses = [m["loss"] for m in metrics(trained_run) if "loss" in m]
     assert len(losses) == 12  # a line every 10 steps
+    walks = [m["tau_walk"] for m in metrics(trained_run) if "loss" in m]  # SpecForge's walk on the step's anchors
+    assert all(w >= 1 for w in walks) and sum(walks[-3:]) > sum(walks[:3])
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
     steps = sorted(p.name for p in (trained_run / "checkpoints").glob("step-*"))
     assert steps == ["step-00000100", "step-00000120"]  # the newest two are kept
     config = json.loads((trained_run / "config.json").read_text())
     assert config["drafter"]["num_layers"] == 2 and config["drafter"]["mask_token_id"] == 3
     assert len(config["holdout_shards"]) == 4
-    taus = [m["tau"] for m in metrics(trained_run) if "tau" in m]
-    assert len(taus) == 1 and taus[0] > 1.0
+    evals = [m for m in metrics(trained_run) if "tau" in m]
+    assert len(evals) == 1 and evals[0]["tau"] > 1.0 and evals[0]["tau_anchors"] > 1.0
+    assert evals[0]["tau_per_request"] > 1.0
 
 
 def test_same_command_resumes_and_other_config_is_refused(trained_run, tiny_cache):
