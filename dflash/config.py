@@ -142,7 +142,8 @@ class DrafterConfig(_Checked):
     whole context before the anchor."""
     causal_block: bool = False
     """Slot k of a block sees slots 0..k of it only (else the whole block). With --sliding-window this is how
-    SGLang, vLLM and the reference model serve `sliding_attention` layers by default: export it anywhere."""
+    SGLang, vLLM and the reference model serve `sliding_attention` layers by default: both export layouts
+    serve it as trained."""
     intermediate_size: int | None = None
     """Drafter MLP width (None: the target's dense MLP width, else 3 x hidden)."""
     num_attention_heads: int | None = None
@@ -210,10 +211,8 @@ def resolve_drafter(drafter: DrafterConfig, target: dict, *, hidden_size: int, v
         raise DflashError("--mask-token-id is needed: the target's config names no dflash_mask_token_id")
     if not 0 <= mask < vocab_size:
         raise DflashError(f"--mask-token-id {mask} is outside the target's vocabulary (size {vocab_size})")
-    resolved = {**widths, "hidden_size": hidden_size, "vocab_size": vocab_size,
-                "target_layer_ids": list(target_layer_ids), "mask_token_id": mask, **told}
-    resolved.update(hidden_size=hidden_size, vocab_size=vocab_size, target_layer_ids=list(target_layer_ids))
-    return DrafterConfig(**resolved)
+    return DrafterConfig(**{**widths, **told, "mask_token_id": mask, "hidden_size": hidden_size,
+                            "vocab_size": vocab_size, "target_layer_ids": list(target_layer_ids)})
 
 
 @dataclass(kw_only=True)

@@ -21,15 +21,10 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.3)
 
 
-def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1  -> [B-1]."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
 def decay_weights(supervised: torch.Tensor, gamma: float) -> torch.Tensor:
-    """`--loss decay`: the fixed slot weights where a slot is supervised, else 0. supervised [A, B-1] bool."""
-    return slot_weights(supervised.shape[1] + 1, gamma, supervised.device) * supervised
+    """`--loss decay`: w_k = exp(-(k-1)/gamma) for slots k = 1..B-1 where supervised [A, B-1], else 0."""
+    k = torch.arange(1, supervised.shape[1] + 1, device=supervised.device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma) * supervised
 
 
 def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -175,10 +170,10 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def flex_block_mask(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None,
                     causal: bool = False):
     """The BlockMask of `dense_mask` for flex_attention, built from each query's two key intervals (its
-    document's context before its anchor, inside the window if any, and its own block) at tile granularity:
-    the same tensors as
-    `create_block_mask(mask_mod, 1, 1, A*B, T + A*B)`, without evaluating the mask per element and without
-    a sort, so the compiled step neither materialises [A*B, T+A*B] nor compiles a sorting network."""
+    document's context before its anchor, inside the window if any, and its own block, all of it or up to
+    the query's slot) at tile granularity: the same tensors as `create_block_mask(mask_mod, 1, 1, A*B,
+    T + A*B)`, without evaluating the mask per element and without a sort, so the compiled step neither
+    materialises [A*B, T+A*B] nor compiles a sorting network."""
     from torch.nn.attention.flex_attention import BlockMask
 
     T, A, B, R = lay.doc_id.shape[0], anchors.shape[0], block_size, SPARSE_BLOCK
