@@ -267,6 +267,9 @@ def host_cpu() -> dict:
 
 
 def main():
+    from dflash import logs
+
+    logs.setup()  # the library's log lines on stderr, as the dflash command shows them
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/bench-compile")

@@ -187,7 +187,7 @@ def warm_up(cfg: ExtractConfig, rows: int = 40) -> float:
 def timed_extract(cfg: ExtractConfig) -> dict:
     shutil.rmtree(cfg.out, ignore_errors=True)
     t0 = time.perf_counter()
-    stats = extract(cfg, log=log)
+    stats = extract(cfg)
     stats["wall_s"] = time.perf_counter() - t0
     i = info(cfg.out)
     stats.update(fill_ratio=i["fill_ratio"], bytes_per_token=i["bytes_per_token"], bytes_on_disk=i["bytes_on_disk"])
@@ -255,7 +255,7 @@ def fixed_shape_rate(cfg: ExtractConfig, rows: int, width: int, repeats: int = 1
     """Forward-only tokens/s of the target at one batch shape [rows, width], after one warm-up forward
     (the kernels see this shape only: what fla's kernels do at their best)."""
     model, _ = load_target(Path(cfg.target), torch.device(DEVICE), torch.bfloat16,
-                           experts_implementation=cfg.experts_implementation, log=lambda *a: None)
+                           experts_implementation=cfg.experts_implementation)
     target = Target(model, [0])
     ids = torch.randint(0, 4000, (rows, width), device=DEVICE)
     target.forward(ids)
@@ -391,6 +391,9 @@ def part_moe(args, res, work):
 
 
 def main():
+    from dflash import logs
+
+    logs.setup()  # the library's log lines on stderr, as the dflash command shows them
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="folder for results.json")
     p.add_argument("--work", default="/tmp/bench", help="scratch folder on the disk being measured")

@@ -64,6 +64,9 @@ class TritonEvents:
 
 
 def main():
+    from dflash import logs
+
+    logs.setup()  # the library's log lines on stderr, as the dflash command shows them
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default=None, help="rows x width list, e.g. 8x2048,8x1536")

@@ -178,9 +178,9 @@ def part_tau(args, work: Path, out: Path, device: str, deadline: float) -> dict:
          "--data", str(answers), "--device", device], lp)
     for name, block in (("fp8_block128", 128), ("fp8_row", 0)):
         caches[name] = work / f"tau-{name}"
-        convert(caches["bf16"], caches[name], scale_block=block, device=device, log=log)
+        convert(caches["bf16"], caches[name], scale_block=block, device=device)
     caches["answers_fp8"] = work / "tau-answers-fp8"
-    convert(caches["answers"], caches["answers_fp8"], device=device, log=log)
+    convert(caches["answers"], caches["answers_fp8"], device=device)
     res["error"] = reconstruction_error(caches["bf16"], device)
     res["bytes_per_token"] = {k: info(caches[k])["bytes_per_token"] for k in ("bf16", "fp8_block128", "fp8_row")}
     res["state_bytes_per_token"] = {k: state_bytes(caches[k]) for k in ("bf16", "fp8_block128", "fp8_row")}
@@ -245,7 +245,7 @@ def part_train(args, work: Path, out: Path, device: str, deadline: float) -> dic
     bf16, f8 = work / "train-bf16", work / "train-fp8"
     synthetic_cache(bf16, np.full(24, doc), [np.ones(doc, np.uint8)] * 24, T, 8, dims, device)  # 6 shards
     t = time.perf_counter()
-    convert(bf16, f8, device=device, log=log)
+    convert(bf16, f8, device=device)
     seconds = time.perf_counter() - t
     tokens = info(bf16)["tokens"]["committed"]
     res["convert"] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -332,6 +332,9 @@ def part_extract(args, work: Path, out: Path, device: str, deadline: float) -> d
 
 
 def main():
+    from dflash import logs
+
+    logs.setup()  # the library's log lines on stderr, as the dflash command shows them
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="results.json, logs")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-fp8"), help="scratch folder on the disk measured")

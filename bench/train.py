@@ -151,7 +151,7 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    stats = train(cfg, log=log)
+    stats = train(cfg)
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lines = [x for x in records if "loss" in x]
@@ -172,6 +172,9 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
 
 
 def main():
+    from dflash import logs
+
+    logs.setup()  # the library's log lines on stderr, as the dflash command shows them
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/bench-train")

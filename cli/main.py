@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from dflash import logs
 from dflash.errors import DflashError
 
 
@@ -34,6 +35,7 @@ def main():
     """Train DFlash speculative-decoding drafters from an offline hidden-state cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    logs.setup()  # dflash's log lines to stderr: stdout is for results (the JSON of --json)
 
 
 def _register():

@@ -25,7 +25,7 @@ import zarr.codecs
 import zarr.storage
 
 from dflash.errors import DflashError
-from dflash.files import sha256_file, write_json_atomic
+from dflash.files import load_tensors, save_tensors, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1  # bf16 storage
 FP8_FORMAT_VERSION = 2  # fp8 storage (+ `hidden_scale`): a format-1 reader refuses it instead of misreading it
@@ -115,7 +115,6 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
                  truncated: np.ndarray, weights: dict, target_config: dict, compressor: str = "none") -> None:
     """Create the group, its arrays and the plan; the manifest goes in last, so a folder without one is
     an interrupted creation that the next run starts over."""
-    from safetensors.torch import save_file
 
     S, D = plan.row_ids.shape
     T, L, H = manifest["token_budget"], len(manifest["layer_ids"]), manifest["hidden_size"]
@@ -142,8 +141,8 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
         a = array(name, (len(values),), (max(len(values), 1),), dtype, 0)
         if len(values):
             a[:] = values
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / WEIGHTS_FILE),
-              metadata={"cache_key": manifest["cache_key"]})
+    save_tensors({k: v.contiguous() for k, v in weights.items()}, path / WEIGHTS_FILE,
+                 metadata={"cache_key": manifest["cache_key"]})
     (path / TARGET_CONFIG_FILE).write_text(json.dumps(target_config, indent=2, sort_keys=True))
     (path / COMMITS).mkdir(exist_ok=True)
     manifest = dict(manifest, weights_sha256=sha256_file(path / WEIGHTS_FILE))
@@ -278,9 +277,9 @@ class Cache:
 
     def target_weights(self, device, dtype) -> tuple:
         """The target's (embed_tokens, lm_head) weights [V, H], saved beside the shards."""
-        from safetensors.torch import load_file
-
-        w = load_file(str(self.path / WEIGHTS_FILE))
+        w = load_tensors(self.path / WEIGHTS_FILE, "the cache's target weights")
+        if "embed_tokens.weight" not in w or "lm_head.weight" not in w:
+            raise DflashError(f"{self.path / WEIGHTS_FILE}: lacks embed_tokens.weight or lm_head.weight")
         embed, head = w["embed_tokens.weight"], w["lm_head.weight"]
         m = self.manifest
         if embed.shape != (m["vocab_size"], m["hidden_size"]) or head.shape != embed.shape:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dflash.errors import DflashError
-from dflash.files import write_json_atomic
+from dflash.files import load_tensors, save_tensors, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
@@ -59,50 +59,70 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict, k
 
 def _write(tmp: Path, model: torch.nn.Module, optimizer, state: dict, step: int) -> None:
     params = dict(model.named_parameters())
-    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "model.safetensors"))
+    save_tensors({k: v.detach().contiguous().cpu() for k, v in params.items()}, tmp / "model.safetensors")
     index_names = {i: name for i, name in enumerate(params)}
     tensors, groups = _optimizer_tensors(optimizer, index_names)
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "optimizer.safetensors"))
+    save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(tmp / "rng.safetensors"))
+    save_tensors(rng, tmp / "rng.safetensors")
     (tmp / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": groups,
                                                 "param_names": list(params)}, indent=2))
 
 
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+_STEP_DIR = re.compile(r"step-\d{8}")
+
+
 def latest(run: Path) -> Path | None:
-    """The newest complete checkpoint: the one latest.json names, or, if that file is lost or torn,
-    the newest step folder that holds all its files (a run never restarts silently from step 0)."""
+    """The newest complete checkpoint: the one latest.json names (a folder of this run's checkpoints/, never
+    a path leading elsewhere), or, if that file is lost, torn or names something else, the newest step folder
+    that holds all its files (a run never restarts silently from step 0)."""
+    found = candidates(run)
+    return found[0] if found else None
+
+
+def candidates(run: Path) -> list[Path]:
+    """This run's checkpoints, newest first: the one latest.json names, then the complete step folders."""
     root = run / CHECKPOINTS
+    named = None
     try:
         info = json.loads((root / LATEST).read_text())
-        if (root / info["dir"]).is_dir():
-            return root / info["dir"]
-    except (OSError, ValueError, KeyError):
+        if isinstance(info, dict) and isinstance(info.get("dir"), str) and _STEP_DIR.fullmatch(info["dir"]) \
+                and (root / info["dir"]).is_dir():
+            named = root / info["dir"]
+    except (OSError, ValueError):
         pass
-    files = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
-    for path in sorted(root.glob("step-*"), reverse=True):
-        if all((path / f).is_file() for f in files):
-            return path
-    return None
+    complete = [p for p in sorted(root.glob("step-*"), reverse=True)
+                if _STEP_DIR.fullmatch(p.name) and all((p / f).is_file() for f in FILES)]
+    return ([named] if named else []) + [p for p in complete if p != named]
 
 
 def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
-    """Restore weights (and optimizer, RNG) from a checkpoint folder; returns its state.json."""
+    """Restore weights (and optimizer, RNG) from a checkpoint folder; returns its state.json. Every file is
+    read and checked before anything is restored: a damaged checkpoint is one line and leaves the model as
+    it was."""
     try:
         state = json.loads((path / "state.json").read_text())
-        weights = load_file(str(path / "model.safetensors"))
     except (OSError, ValueError) as e:
         raise DflashError(f"{path}: unreadable checkpoint ({e})") from None
-    missing = set(dict(model.named_parameters())) ^ set(weights)
+    weights = load_weights(path)
+    params = dict(model.named_parameters())
+    missing = set(params) ^ set(weights)
     if missing:
         raise DflashError(f"{path}: checkpoint does not fit the drafter (parameters {sorted(missing)[:3]} ...)")
+    shapes = [n for n, p in params.items() if weights[n].shape != p.shape]
+    if shapes:
+        raise DflashError(f"{path}: {shapes[0]} has shape {tuple(weights[shapes[0]].shape)}, the drafter's is "
+                          f"{tuple(params[shapes[0]].shape)}")
+    if optimizer is not None:
+        tensors = load_tensors(path / "optimizer.safetensors", "checkpoint")
+        rng = load_tensors(path / "rng.safetensors", "checkpoint")
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             p.copy_(weights[name])
     if optimizer is not None:
-        tensors = load_file(str(path / "optimizer.safetensors"))
         names = state["param_names"]
         per_param: dict[int, dict] = {}
         for key, value in tensors.items():
@@ -113,7 +133,6 @@ def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
         for group, lr in zip(optimizer.param_groups, tensor_lrs):
             if torch.is_tensor(lr):  # back into the same tensor the step was built with
                 group["lr"] = lr.fill_(float(group["lr"]))
-        rng = load_file(str(path / "rng.safetensors"))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -121,4 +140,4 @@ def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
+    return load_tensors(path / "model.safetensors", "checkpoint")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import os
 import platform
 import sys
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from dflash.files import write_bytes_atomic
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"dflash compile artifacts\n"
 FORMAT = 1
@@ -86,13 +89,13 @@ class StepArtifacts:
         self.fields = json.loads(json.dumps({"format": FORMAT, **environment(device), **fields}, default=str))
         self.key = hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()[:32]
         self.path = (root or cache_root()) / "compile" / f"{self.key}.bin"
-        self.enabled, self.may_save, self.log = enabled, save, print
+        self.enabled, self.may_save = enabled, save
         self.state = "cold"
         self._before = cache_counts()
 
-    def load(self, log=print) -> str:
+    def load(self) -> str:
         """Hand this key's artifacts to torch, if there are good ones: "warm", else "cold"."""
-        self.log, self._before = log, cache_counts()
+        self._before = cache_counts()
         if not self.enabled or not self._supported():
             return self.state
         payload = self._read()
@@ -102,11 +105,11 @@ class StepArtifacts:
             info = torch.compiler.load_cache_artifacts(payload)
         except Exception as e:  # torch's own check failed: never worth stopping a run
             info = None
-            self.log(f"warning: torch could not load the compile artifacts in {self.path} "
-                     f"({type(e).__name__}: {e}); compiling cold")
+            log.warning(f"torch could not load the compile artifacts in {self.path} "
+                        f"({type(e).__name__}: {e}); compiling cold")
         else:
             if info is None:
-                self.log(f"warning: torch could not read the compile artifacts in {self.path}; compiling cold")
+                log.warning(f"torch could not read the compile artifacts in {self.path}; compiling cold")
         self.state = "warm" if info is not None else "cold"
         if self.state == "warm":
             try:
@@ -115,10 +118,9 @@ class StepArtifacts:
                 pass
         return self.state
 
-    def finish(self, seconds: float, log=None) -> dict:
+    def finish(self, seconds: float) -> dict:
         """After the first step: say how long it compiled, keep the artifacts if anything was compiled anew
         (a cold run, or a warm one torch still missed on). Returns the record for the metrics log."""
-        log = log or self.log
         now = {k: v - self._before[k] for k, v in cache_counts().items()}
         misses = now["misses"]
         how = self.state
@@ -127,9 +129,9 @@ class StepArtifacts:
         elif self.state == "warm" and now["autograd_bypasses"]:
             how = "warm, the joint graph retraced: AOT autograd's cache was bypassed"
         kept = self.enabled and self.may_save and (self.state == "cold" or misses) and self._supported() \
-            and self._save(log)
-        log(f"compiled the training step ({how}) in {seconds:.1f}s" + (f"; kept for the next run: {self.path}"
-                                                                       if kept else ""))
+            and self._save()
+        log.info(f"compiled the training step ({how}) in {seconds:.1f}s"
+                 + (f"; kept for the next run: {self.path}" if kept else ""))
         return {"compile": self.state, "compile_s": round(seconds, 3), "compile_cache_hits": now["hits"],
                 "compile_cache_misses": misses, "autograd_cache_hits": now["autograd_hits"],
                 "autograd_cache_bypasses": now["autograd_bypasses"]}
@@ -140,7 +142,7 @@ class StepArtifacts:
         if hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts"):
             return True
         if self.enabled:
-            self.log(f"note: torch {torch.__version__} cannot keep compile artifacts "
+            log.info(f"note: torch {torch.__version__} cannot keep compile artifacts "
                      f"(no torch.compiler.save_cache_artifacts): every run compiles cold")
             self.enabled = False  # say it once
         return False
@@ -152,11 +154,11 @@ class StepArtifacts:
         except (FileNotFoundError, NotADirectoryError):  # none kept yet (a bad folder is said when writing)
             return None
         except OSError as e:
-            self.log(f"warning: cannot read {self.path} ({e.strerror or e}); compiling cold")
+            log.warning(f"cannot read {self.path} ({e.strerror or e}); compiling cold")
             return None
         problem, payload = self._check(blob)
         if problem:
-            self.log(f"warning: ignoring the compile artifacts in {self.path}: {problem}; compiling cold")
+            log.warning(f"ignoring the compile artifacts in {self.path}: {problem}; compiling cold")
             return None
         return payload
 
@@ -180,13 +182,13 @@ class StepArtifacts:
             return f"the payload is corrupt or cut short ({len(payload)} of {header.get('payload_bytes')} bytes)", b""
         return None, payload
 
-    def _save(self, log) -> bool:
+    def _save(self) -> bool:
         """Write what torch compiled in this process under this key; False (with a warning) if it cannot."""
         try:
             saved = torch.compiler.save_cache_artifacts()
         except Exception as e:
-            log(f"warning: torch could not serialise the compile artifacts ({type(e).__name__}: {e}); "
-                f"the next run compiles cold too")
+            log.warning(f"torch could not serialise the compile artifacts ({type(e).__name__}: {e}); "
+                        f"the next run compiles cold too")
             return False
         if saved is None:
             return False  # nothing went through torch's caches
@@ -198,8 +200,8 @@ class StepArtifacts:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self.path, blob)
         except OSError as e:
-            log(f"warning: cannot keep the compile artifacts in {self.path} ({e.strerror or e}); the next run "
-                f"compiles cold too (set DFLASH_CACHE_DIR to a writable folder)")
+            log.warning(f"cannot keep the compile artifacts in {self.path} ({e.strerror or e}); the next run "
+                        f"compiles cold too (set DFLASH_CACHE_DIR to a writable folder)")
             return False
         evict(self.path.parent, KEEP)
         return True

@@ -310,10 +310,17 @@ class TrainConfig(_Checked):
             raise DflashError("no cache: pass --cache")
         if not self.out:
             raise DflashError("no run folder: pass --out")
-        self._at_least(1, "num_anchors", "epochs", "save_every", "log_every", "prefetch")
+        self._at_least(1, "num_anchors", "epochs", "save_every", "log_every", "prefetch", "max_steps", "eval_shards")
+        self._at_least(0, "ce_chunk", "seed", "holdout_shards", "eval_every")
         if self.layers is not None and (not self.layers or self.layers != sorted(set(self.layers))):
             raise DflashError(f"--layers must be increasing and distinct, got {self.layers}")
-        self._at_least(0, "ce_chunk")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise DflashError(f"{option(name)} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise DflashError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise DflashError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.dpace_alpha <= 1:
             raise DflashError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.gamma is not None and self.gamma <= 0:

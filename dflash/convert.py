@@ -10,6 +10,7 @@ killed conversion resumes where it stopped.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -25,15 +26,17 @@ from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error
 from dflash.target import resolve_device
 
+log = logging.getLogger(__name__)
+
 
 def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = ExtractConfig.scale_block,
-            device: str = "auto", write_threads: int = ExtractConfig.write_threads, log=print) -> dict:
+            device: str = "auto", write_threads: int = ExtractConfig.write_threads) -> dict:
     """Convert the committed shards of `src` into the cache at `out` (created, or resumed); returns a summary."""
     with disk_full_is_an_error(out, lambda: cachelib.committed_note(Path(out))):
-        return _convert(src, Path(out), storage, scale_block, device, write_threads, log)
+        return _convert(src, Path(out), storage, scale_block, device, write_threads)
 
 
-def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_threads: int, log) -> dict:
+def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_threads: int) -> dict:
     check_storage(storage, scale_block)
     if storage != "fp8":
         raise DflashError(f"--storage {storage}: only fp8 is a conversion target")
@@ -47,7 +50,7 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
     existing = cachelib.read_manifest(out)
     if existing is None:
         _create(out, src_cache, manifest)
-        log(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest['cache_key']})")
+        log.info(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest['cache_key']})")
     else:
         cachelib.check_same_key(out, existing, manifest)
     dst = cachelib.Cache(out, mode="r+")
@@ -62,8 +65,9 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
     seconds = time.perf_counter() - t0
     missing = src_cache.num_shards - len(src_committed)
     committed = len(done) + len(todo)
-    log(f"{out}: converted {len(todo)} shards in {seconds:.1f}s; {committed}/{dst.num_shards} committed"
-        + (f" ({missing} shards of {src} are not committed yet: run convert again once they are)" if missing else ""))
+    log.info(f"{out}: converted {len(todo)} shards in {seconds:.1f}s; {committed}/{dst.num_shards} committed"
+             + (f" ({missing} shards of {src} are not committed yet: run convert again once they are)"
+                if missing else ""))
     return {"shards_converted": len(todo), "seconds": seconds, "complete": committed == dst.num_shards}
 
 
@@ -79,7 +83,7 @@ def converted_manifest(src: cachelib.Cache, storage: str, scale_block: int) -> d
 
 
 def _create(out: Path, src: cachelib.Cache, manifest: dict) -> None:
-    from safetensors.torch import load_file
+    from dflash.files import load_tensors
 
     row_ids, doc_lens = src.plan()
     g = src.group
@@ -87,7 +91,7 @@ def _create(out: Path, src: cachelib.Cache, manifest: dict) -> None:
     compressor = "zstd" if any(type(c).__name__ == "ZstdCodec" for c in codecs) else "none"
     cachelib.create_cache(out, manifest, SimpleNamespace(row_ids=row_ids, doc_lens=doc_lens),
                           g["dropped_row_ids"][:], g["dropped_reasons"][:], g["truncated_row_ids"][:],
-                          weights=load_file(str(src.path / cachelib.WEIGHTS_FILE)),
+                          weights=load_tensors(src.path / cachelib.WEIGHTS_FILE, "the source's target weights"),
                           target_config=json.loads((src.path / cachelib.TARGET_CONFIG_FILE).read_text()),
                           compressor=compressor)
 

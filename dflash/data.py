@@ -80,8 +80,17 @@ def read_rows(paths: list[str], limit: int | None = None, per_file: dict[str, in
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """(where, record) of each non-empty line; a line that is not UTF-8 or not JSON is one line naming it."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DflashError(f"{path}: cannot read ({e.strerror or e})") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DflashError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -96,7 +105,10 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DflashError(f"{path}: reading Parquet needs pyarrow (pip install 'dflash[parquet]')") from None
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and kin: not a Parquet file, or a damaged one
+        raise DflashError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     for i, record in enumerate(table.to_pylist()):
         yield f"{path}#row{i}", record
 

@@ -28,13 +28,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dflash import checkpoint
 from dflash.config import DrafterConfig, hf_widths
 from dflash.drafter import Drafter
 from dflash.errors import DflashError
-from dflash.files import disk_full_is_an_error
+from dflash.files import disk_full_is_an_error, load_tensors, save_tensors
 
 FORMATS = ("zlab", "speculators")
 
@@ -155,10 +154,17 @@ def _drafter(hf: dict, where: str, **fields) -> DrafterConfig:
     if fields["mask_token_id"] is None:
         raise DflashError(f"{where}: no mask_token_id")
     try:
-        return DrafterConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                             vocab_size=hf["vocab_size"], **hf_widths(hf), **fields)
+        cfg = DrafterConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                            vocab_size=hf["vocab_size"], **hf_widths(hf), **fields)
     except KeyError as e:
         raise DflashError(f"{where}: no {e.args[0]}") from None
+    except DflashError as e:  # a value out of range, named by the option it would be
+        raise DflashError(f"{where}: {e}") from None
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise DflashError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the vocabulary ({cfg.vocab_size})")
+    if not cfg.target_layer_ids or min(cfg.target_layer_ids) < 0:
+        raise DflashError(f"{where}: target layer ids {cfg.target_layer_ids} are not layers of a target")
+    return cfg
 
 
 def check_servable(cfg: DrafterConfig, fmt: str, num_target_layers: int) -> None:
@@ -209,7 +215,7 @@ def read_drafter(path: str | Path, what: str = "--drafter") -> tuple[DrafterConf
         ckpt = latest_checkpoint(path, f"{what} {path}")
         info = {"holdout_shards": config.get("holdout_shards", []), "cache_key": config["cache"]["cache_key"]}
         return DrafterConfig(**config["drafter"]), checkpoint.load_weights(ckpt), info
-    return from_hf(config, f"{what} {path}/config.json"), load_file(str(path / "model.safetensors")), \
+    return from_hf(config, f"{what} {path}/config.json"), load_tensors(path / "model.safetensors", what), \
         {"holdout_shards": [], "cache_key": None}
 
 
@@ -231,13 +237,29 @@ def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, avai
     return drafter.to(embed.dtype).eval(), info
 
 
+def check_weights(cfg: DrafterConfig, weights: dict, what: str) -> dict:
+    """`weights` by the drafter's parameter names (a `model.` prefix some checkpoints carry dropped), each of
+    the shape the drafter of `cfg` has and finite; otherwise one line naming the first that is not."""
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        V, H = cfg.vocab_size, cfg.hidden_size
+        expected = {n: p.shape for n, p in Drafter(cfg, torch.empty(V, H), torch.empty(V, H)).named_parameters()}
+    for name, shape in expected.items():
+        if name not in weights:
+            raise DflashError(f"{what}: the weights lack {name}")
+        if weights[name].shape != shape:
+            raise DflashError(f"{what}: {name} has shape {tuple(weights[name].shape)}, this drafter's is "
+                              f"{tuple(shape)}")
+        if not torch.isfinite(weights[name]).all():
+            raise DflashError(f"{what}: {name} holds non-finite values")
+    return weights
+
+
 @torch.no_grad()
 def copy_weights(drafter: Drafter, weights: dict, what: str) -> None:
+    weights = check_weights(drafter.cfg, weights, what)
     for name, p in drafter.named_parameters():
-        key = name if name in weights else f"model.{name}"  # some checkpoints prefix every name
-        if key not in weights:
-            raise DflashError(f"{what}: weights lack {name}")
-        p.copy_(weights[key].to(p.dtype))
+        p.copy_(weights[name].to(p.dtype))
 
 
 def export(run: str | Path, out: str | Path, fmt: str = "zlab", verifier: str | None = None) -> Path:
@@ -259,14 +281,14 @@ def export(run: str | Path, out: str | Path, fmt: str = "zlab", verifier: str | 
     else:
         hf = to_speculators(dcfg, target_info["num_layers"],
                             {"name_or_path": target, "architectures": target_info.get("architectures") or []})
-    weights = checkpoint.load_weights(ckpt)
+    weights = check_weights(dcfg, checkpoint.load_weights(ckpt), f"{ckpt}")
     step = json.loads((ckpt / "state.json").read_text())["step"]
     card = model_card(dcfg, fmt, target, out, step)
     with disk_full_is_an_error(out, f"the run {run} is untouched and the export in {out} incomplete",
                                then="it writes the export again"):
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
-                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
+                     out / "model.safetensors", metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(hf, indent=2))
         (out / "README.md").write_text(card)
     return out

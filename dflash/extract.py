@@ -8,6 +8,7 @@ dealt round-robin to the ranks, so several torchrun ranks write one cache, each 
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import sys
@@ -44,20 +45,22 @@ from dflash.target import (
     weights_fingerprint,
 )
 
+log = logging.getLogger(__name__)
+
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def extract(cfg: ExtractConfig, log=print) -> dict:
+def extract(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the cache described by `cfg`; returns a summary of what this rank did."""
     d = init_dist()
     try:
         with disk_full_is_an_error(cfg.out, lambda: cachelib.committed_note(Path(cfg.out))):
-            return _extract(cfg, d, log if d.is_main else (lambda *a, **k: None))
+            return _extract(cfg, d)
     finally:
         close_dist()
 
 
-def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
+def _extract(cfg: ExtractConfig, d: Dist) -> dict:
     out = Path(cfg.out)
     if cfg.device_map and d.world > 1:
         raise DflashError("--device-map spreads one target over this machine's GPUs: run one process, not torchrun")
@@ -79,11 +82,11 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
         if existing is not None:
             cachelib.check_same_key(out, existing, fields)
         else:
-            docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields, log)
-            model = _load_model(target_path, device, dtype, cfg, log)
+            docs, manifest_extra, plan_arrays = _plan(cfg, tokenizer, fields)
+            model = _load_model(target_path, device, dtype, cfg)
             _create(out, cfg, fields, manifest_extra, plan_arrays, model, tconf, tokenizer)
-            log(f"planned {manifest_extra['num_shards']} shards of {cfg.token_budget} tokens "
-                f"(fill {manifest_extra['stats']['tokens'] / (manifest_extra['num_shards'] * cfg.token_budget):.1%})")
+            fill = manifest_extra["stats"]["tokens"] / (manifest_extra["num_shards"] * cfg.token_budget)
+            log.info(f"planned {manifest_extra['num_shards']} shards of {cfg.token_budget} tokens (fill {fill:.1%})")
     d.barrier()
 
     cache = cachelib.Cache(out, mode="r+")
@@ -91,18 +94,20 @@ def _extract(cfg: ExtractConfig, d: Dist, log) -> dict:
     windows = _my_windows(cache.num_shards, committed, cfg.window, d)
     if not windows:  # this rank's shards are all committed (other ranks may still have work)
         if len(committed) == cache.num_shards:
-            log(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): nothing to do")
+            log.info(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): "
+                     f"nothing to do")
         d.barrier()
         return {"shards_written": 0, "complete": len(committed) == cache.num_shards}
     if model is None:
-        model = _load_model(target_path, device, dtype, cfg, log)
+        model = _load_model(target_path, device, dtype, cfg)
     docs = _docs_for(cfg, tokenizer, cache, windows, docs)
     target = Target(model, layer_ids, device=device)
-    stats = _run(cfg, cache, committed, target, windows, docs, device, d, log)
+    stats = _run(cfg, cache, committed, target, windows, docs, device, d)
     d.barrier()
     if d.is_main:
         done = len(cache.committed())
-        log(f"{out}: {done}/{cache.num_shards} shards committed" + (" (complete)" if done == cache.num_shards else ""))
+        log.info(f"{out}: {done}/{cache.num_shards} shards committed"
+                 + (" (complete)" if done == cache.num_shards else ""))
     return stats
 
 
@@ -141,7 +146,7 @@ def _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype) -> dict:
     }
 
 
-def _plan(cfg: ExtractConfig, tokenizer, fields: dict, log):
+def _plan(cfg: ExtractConfig, tokenizer, fields: dict):
     """Tokenize every row and pack the documents into shards: the plan is fixed before any forward."""
     per_file: dict[str, int] = {}
     rows = list(read_rows(cfg.data, cfg.limit, per_file))
@@ -179,9 +184,10 @@ def _plan(cfg: ExtractConfig, tokenizer, fields: dict, log):
         },
     }
     if truncated.size:
-        log(f"{len(truncated)} of {len(rows)} rows were longer than {cfg.resolved_max_len()} tokens and are truncated")
+        log.info(f"{len(truncated)} of {len(rows)} rows were longer than {cfg.resolved_max_len()} tokens and are "
+                 f"truncated")
     if dropped:
-        log(f"{len(dropped)} rows dropped: {extra['stats']['dropped']}")
+        log.info(f"{len(dropped)} rows dropped: {extra['stats']['dropped']}")
     plan_arrays = (plan, np.array([x.row_id for x in dropped], np.int64),
                    np.array([x.reason for x in dropped], np.uint8), truncated)
     return docs, extra, plan_arrays
@@ -215,9 +221,9 @@ def _create(out: Path, cfg: ExtractConfig, fields: dict, extra: dict, plan_array
                           compressor=cfg.compressor)
 
 
-def _load_model(path, device, dtype, cfg, log):
+def _load_model(path, device, dtype, cfg):
     model, _ = load_target(path, device, dtype, cfg.trust_remote_code, cfg.attn_implementation, cfg.device_map,
-                           cfg.experts_implementation, log)
+                           cfg.experts_implementation)
     return model
 
 
@@ -362,7 +368,7 @@ class _Writer(threading.Thread):
 
 
 def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target: Target, windows, docs, device,
-         d: Dist, log) -> dict:
+         d: Dist) -> dict:
     m = cache.manifest
     T, L, H, W = m["token_budget"], len(m["layer_ids"]), m["hidden_size"], cfg.window
     pad = m["pad_id"]
@@ -411,9 +417,9 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
     stats = {"shards_written": done["shards"], "tokens": tokens, "padded_tokens": padded, "seconds": elapsed,
              "tokens_per_s": tokens / elapsed if elapsed else 0.0, "wait_for_writer_s": wait_free_s,
              "write_s": writer.write_s, "gpu_forward_s": writer.gpu_forward_s, "complete": False}
-    log(f"wrote {done['shards']} shards, {tokens:,} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:,.0f} tok/s"
-        + (f" on rank 0 of {d.world}" if d.world > 1 else "") + f"; padding {padded / max(tokens, 1) - 1:.1%}; "
-        f"waited {wait_free_s:.1f}s for the writer)")
+    log.info(f"wrote {done['shards']} shards, {tokens:,} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:,.0f} tok/s"
+             + (f" on rank 0 of {d.world}" if d.world > 1 else "") + f"; padding {padded / max(tokens, 1) - 1:.1%}; "
+             f"waited {wait_free_s:.1f}s for the writer)")
     return stats
 
 

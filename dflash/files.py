@@ -1,4 +1,5 @@
-"""Small file helpers every writer shares: atomic replacement, sha256 of a file, a full disk as a message."""
+"""Small file helpers every writer shares: atomic replacement, safetensors files that follow the umask, sha256
+of a file, a full disk as a message."""
 
 from __future__ import annotations
 
@@ -10,7 +11,56 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from safetensors.torch import load_file, save_file
+
 from dflash.errors import DflashError
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: os.umask can only be read by setting it
+
+
+def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, the file's permissions then following the umask as every other file's do
+    (safetensors creates it 0600: a teammate could not read a shared cache, run or export)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def load_tensors(path, what: str = "") -> dict:
+    """A safetensors file's tensors; a missing, cut or foreign file is one line naming it (`what` in front)."""
+    where = f"{what} {path}".strip()
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise DflashError(f"{where}: missing") from None
+    except Exception as e:  # SafetensorError (a cut or foreign file), OSError
+        raise DflashError(f"{where}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+
+
+@contextlib.contextmanager
+def held(folder: Path, what: str):
+    """Hold `folder` for this process (an advisory lock on folder/.lock, which the kernel releases when the
+    process ends, SIGKILL included): a second process is refused with one line naming the holder."""
+    import fcntl
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise DflashError(f"{folder}: {holder} is using this {what}; wait for it to end or use another "
+                              f"folder") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"dflash (pid {os.getpid()})")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)  # the kernel drops the lock with the file
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

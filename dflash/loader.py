@@ -9,6 +9,7 @@ the step waits for its input is measured.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,8 @@ import torch
 
 from dflash import fp8
 from dflash.cache import Cache, CorruptShardError
+
+log = logging.getLogger(__name__)
 
 FIELDS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens", "hidden_scale")
 SHARD_FIELDS = ("input_ids", "loss_mask", "target_ids", "doc_lens")  # one chunk per shard
@@ -67,10 +70,10 @@ class ShardLoader:
     With `follow`, a shard that is not committed yet is waited for, and a later one that is goes first."""
 
     def __init__(self, cache: Cache, schedule, device: torch.device, prefetch: int = 3, follow: bool = False,
-                 on_corrupt: str = "fail", log=print, poll_s: float = 2.0):
+                 on_corrupt: str = "fail", poll_s: float = 2.0):
         m = cache.manifest
         T, D, H, L = m["token_budget"], m["max_docs"], m["hidden_size"], len(cache.layer_ids)
-        self.cache, self.device, self.follow, self.on_corrupt, self.log = cache, device, follow, on_corrupt, log
+        self.cache, self.device, self.follow, self.on_corrupt = cache, device, follow, on_corrupt
         self.poll_s = poll_s
         self.cuda = device.type == "cuda"
         block = cache.scale_block
@@ -130,7 +133,7 @@ class ShardLoader:
             self.free.put((buf, None))
             if self.on_corrupt == "fail":
                 raise
-            self.log(f"warning: skipping shard {s}: {e.detail}")
+            log.warning(f"skipping shard {s}: {e.detail}")
             self.skipped.append(s)
             return
         self.full.put((s, buf))

@@ -12,6 +12,7 @@ even a sampled run resumes to the same file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,8 @@ from dflash.config import RegenerateConfig
 from dflash.data import Row, chat_prompt_ids, file_fingerprints, read_rows
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 
 def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | None]:
@@ -78,7 +81,7 @@ def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
     return done
 
 
-def regenerate(cfg: RegenerateConfig, log=print) -> dict:
+def regenerate(cfg: RegenerateConfig) -> dict:
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     out, meta = Path(cfg.out), Path(cfg.out + ".meta.json")
@@ -90,13 +93,13 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
     if not rows:
         raise DflashError(f"--data {', '.join(cfg.data)}: no rows")
     if done >= len(rows):
-        log(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
+        log.info(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
         return {"rows": len(rows), "written": 0}
     device = resolve_device(cfg.device)
-    model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device), device_map=cfg.device_map, log=log)
+    model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device), device_map=cfg.device_map)
     tok.padding_side = "left"
     if done:
-        log(f"resuming {out} at row {done} of {len(rows)}")
+        log.info(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
     tokens, written = 0, done
     with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar:
@@ -115,7 +118,7 @@ def regenerate(cfg: RegenerateConfig, log=print) -> dict:
                 os.fsync(f.fileno())
                 written = start + len(part)
                 bar.update(len(part))
-    log(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
+    log.info(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
     return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from dflash.drafter import Drafter
 from dflash.errors import DflashError
 from dflash.target import Target, decoder_layers
+
+log = logging.getLogger(__name__)
 
 
 def crop_context(ctx_kv: list, ctx_start: int, n: int, window: int | None) -> tuple[list, int]:
@@ -288,18 +291,22 @@ def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[in
 
 
 def run_spec(target_name: str, drafter_path: str, prompts_path: str, max_new: int = 128, limit: int | None = None,
-             device: str = "auto", dtype: str = "auto", save_outputs: str | None = None, log=print) -> dict:
+             device: str = "auto", dtype: str = "auto", save_outputs: str | None = None) -> dict:
     """Decode every prompt speculatively and with the target alone; `save_outputs`: a JSONL of
     {"prompt", "completion"} rows (the target's answers: a cache of them gives the offline tau to
     compare)."""
     from dflash.drafter_io import load_drafter
     from dflash.evaluate import by_slot, per_request_tau
-    from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
+    from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target, text_config
 
     dev = resolve_device(device)
-    model, tokenizer = load_target(resolve_target(target_name), dev, resolve_dtype(dtype, dev), log=log)
+    model, tokenizer = load_target(resolve_target(target_name), dev, resolve_dtype(dtype, dev))
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     drafter, _ = load_drafter(drafter_path, embed, head, device=dev)
+    depth = text_config(model.config).num_hidden_layers
+    if max(drafter.cfg.target_layer_ids) >= depth:
+        raise DflashError(f"--drafter {drafter_path} reads target layers {drafter.cfg.target_layer_ids}; "
+                          f"{target_name} has {depth} (ids 0..{depth - 1})")
     target = Target(model, drafter.cfg.target_layer_ids)
     eos = eos_ids(model, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, limit)

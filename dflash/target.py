@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from dflash.errors import DflashError
+
+log = logging.getLogger(__name__)
 
 # Keys of a HF config that do not change what the model computes.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset",
@@ -206,7 +209,7 @@ def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
 
 def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
                 attn_implementation: str | None = None, device_map: str | None = None,
-                experts_implementation: str = "auto", log=print):
+                experts_implementation: str = "auto"):
     """(model, tokenizer): the model frozen in eval mode on `device`, or spread over the machine's devices
     by `device_map` (see `parse_device_map`); families that need it made prefix-invariant (families.py);
     MoE experts as `choose_experts` says."""
@@ -230,21 +233,21 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
         model.to(device)
     model.eval().requires_grad_(False)
     for note in make_exact(model):
-        log(note)
+        log.info(note)
     if has_linear_attention(model):
         backend = linear_attention_backend()
         tuned = backend == "fla" and tune_fla_once()
-        log(f"linear-attention layers run on the {backend} path" + (" (fla kernels autotuned once per width, not "
-                                                                    "per forward size)" if tuned else ""))
-    choose_experts(model, experts_implementation, log)
+        log.info(f"linear-attention layers run on the {backend} path" + (" (fla kernels autotuned once per width, not "
+                 "per forward size)" if tuned else ""))
+    choose_experts(model, experts_implementation)
     if device_map:
         placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
         shown = device_map if len(device_map) < 40 else "(map)"
-        log(f"--device-map {shown}: the target's layers on {', '.join(placed)}")
+        log.info(f"--device-map {shown}: the target's layers on {', '.join(placed)}")
     return model, tokenizer
 
 
-def choose_experts(model, requested: str, log) -> str | None:
+def choose_experts(model, requested: str) -> str | None:
     """How an MoE target runs its experts (None: not an MoE). `auto` is transformers' `grouped_mm`: one
     grouped GEMM per projection over the tokens sorted by expert, exact, and on an H200 4.5x the
     per-expert loop (`eager`); `batched_mm` gathers a weight copy per token (memory grows with tokens)."""
@@ -254,7 +257,7 @@ def choose_experts(model, requested: str, log) -> str | None:
     model.set_experts_implementation(chosen)
     device = model.get_input_embeddings().weight.device
     slow = chosen == "grouped_mm" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
-    log(f"MoE experts: {chosen}" + (" (this GPU predates sm80: transformers runs it as a loop over experts)"
+    log.info(f"MoE experts: {chosen}" + (" (this GPU predates sm80: transformers runs it as a loop over experts)"
                                     if slow else ""))
     return chosen
 

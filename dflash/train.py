@@ -15,7 +15,9 @@ the first step and kept after it (`dflash.compile_cache`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -35,11 +37,13 @@ from dflash.drafter import Drafter, DrafterConfig
 from dflash.drafter_io import FORMATS, check_servable, copy_weights, read_drafter
 from dflash.errors import DflashError
 from dflash.evaluate import acceptance
-from dflash.files import disk_full_is_an_error, write_json_atomic
+from dflash.files import disk_full_is_an_error, held, write_json_atomic
 from dflash.loader import ShardLoader, epoch_order
 from dflash.metrics import Metrics, StepResult
 from dflash.objective import ce_rows, drafter_loss
 from dflash.target import resolve_device
+
+log = logging.getLogger(__name__)
 
 # mode="reduce-overhead" (CUDA graphs), fixed shapes; pointwise kernels take Inductor's heuristic launch
 # config instead of benchmarking each candidate (on an H200: 1.5 s of autotuning instead of 3.0, the same step time)
@@ -71,7 +75,7 @@ def preflight(cfg: TrainConfig, cache: Cache, dcfg: DrafterConfig) -> None:
         raise DflashError(f"{cache.path}: no committed shard yet (extract still running? use --follow)")
 
 
-def note_exports(dcfg: DrafterConfig, num_target_layers: int, log) -> None:
+def note_exports(dcfg: DrafterConfig, num_target_layers: int) -> None:
     """Say before training what `dflash export` will refuse for this drafter (and why), not after it."""
     refused = {}
     for fmt in FORMATS:
@@ -82,7 +86,7 @@ def note_exports(dcfg: DrafterConfig, num_target_layers: int, log) -> None:
     if refused:
         served = [f for f in FORMATS if f not in refused]
         what = f"exports to {' and '.join(served)} only" if served else "cannot be exported"
-        log(f"note: this drafter {what}: {next(iter(refused.values()))}")
+        log.info(f"note: this drafter {what}: {next(iter(refused.values()))}")
 
 
 def init_weights(drafter: Drafter, path: str) -> None:
@@ -180,20 +184,20 @@ class LossModule(torch.nn.Module):
 # -- build, resume, loop ------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, log=print) -> dict:
+def train(cfg: TrainConfig) -> dict:
     """Train (or resume, or find finished) the run `cfg` describes; returns a summary of this call."""
     device = resolve_device(cfg.device)
     d = init_dist("nccl" if device.type == "cuda" else "gloo")
-    log = log if d.is_main else (lambda *a, **k: None)
     try:
-        with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"):
+        with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"), \
+                (held(Path(cfg.out), "training run") if d.is_main else contextlib.nullcontext()):
             s = build(cfg, d, device)
-            note_exports(s.dcfg, s.cache.manifest["target"]["num_layers"], log)
-            start = resume(s, log)
+            note_exports(s.dcfg, s.cache.manifest["target"]["num_layers"])
+            start = resume(s)
             if start >= s.total:
-                log(f"{s.run}: already trained for {start} steps: nothing to do")
+                log.info(f"{s.run}: already trained for {start} steps: nothing to do")
                 return {"steps": start, "resumed_at": start}
-            return loop(s, start, log)
+            return loop(s, start)
     finally:
         close_dist()
 
@@ -308,13 +312,20 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
             "code": source_hash(drafter_module, objective, fp8, LossModule, Autocast)}
 
 
-def resume(s: Setup, log) -> int:
-    """The step to start from: the run's latest checkpoint (weights, optimizer, RNG), else 0 (weights from
-    --init-from if given: a resumed run has its own, so the source is read only at the start)."""
-    ckpt = s.d.broadcast(checkpoint.latest(s.run))  # rank 0's: every rank resumes from the same step
-    if ckpt is not None:
-        start = checkpoint.load(ckpt, s.drafter, s.optimizer)["step"]
-        log(f"resuming {s.run} from step {start}")
+def resume(s: Setup) -> int:
+    """The step to start from: the run's latest checkpoint (weights, optimizer, RNG), or, when that one is
+    damaged, the newest earlier one that reads (said), else 0 (weights from --init-from if given: a resumed run
+    has its own, so the source is read only at the start)."""
+    found = s.d.broadcast(checkpoint.candidates(s.run))  # rank 0's: every rank resumes from the same step
+    for i, ckpt in enumerate(found):
+        try:
+            start = checkpoint.load(ckpt, s.drafter, s.optimizer)["step"]
+        except DflashError as e:
+            if i + 1 == len(found):
+                raise DflashError(f"{e}; no earlier checkpoint of {s.run} reads either") from None
+            log.warning(f"{e}; resuming from the one before, {found[i + 1].name}")
+            continue
+        log.info(f"resuming {s.run} from step {start}")
         return start
     if s.cfg.init_from:
         init_weights(s.drafter, s.cfg.init_from)
@@ -338,19 +349,18 @@ def train_step(s: Setup, inputs, lr: float) -> StepResult:
     return StepResult(loss, *outputs, grad_norm)
 
 
-def loop(s: Setup, start: int, log) -> dict:
+def loop(s: Setup, start: int) -> dict:
     """Steps start..total-1 over this rank's shard schedule: a log line every --log-every steps, a checkpoint
     every --save-every (and at the end), tau on the held-out shards every --eval-every (and at the end)."""
     cfg, d, run = s.cfg, s.d, s.run
     loader = ShardLoader(s.cache, rank_schedule(s.train_shards, cfg, d, start, s.total), s.device, cfg.prefetch,
-                         cfg.follow, cfg.on_corrupt, log)
+                         cfg.follow, cfg.on_corrupt)
     metrics = Metrics(run / "metrics.jsonl" if d.is_main else None, start, s.dcfg, s.cache.token_budget,
                       cfg.num_anchors, d.world, s.device)
     if s.artifacts is not None:  # every rank loads them (each compiles), rank 0 alone keeps them
-        log(f"compiling the training step ({s.artifacts.load(log)}) …")
+        log.info(f"compiling the training step ({s.artifacts.load()}) …")
     bar = tqdm(total=s.total, initial=start, unit="step", desc=f"train {run.name}", disable=not d.is_main,
                dynamic_ncols=True)
-    say = bar.write if d.is_main else log  # a line above the progress bar
     step = saved = start
     compile_record = {}
 
@@ -368,8 +378,8 @@ def loop(s: Setup, start: int, log) -> dict:
         result = acceptance(s.drafter.eval(), s.cache, s.holdout[: cfg.eval_shards], s.device)
         s.drafter.train()
         metrics.tau(at, result)
-        bar.write(f"step {at}: tau {result['tau']:.3f} (decoding order, pooled), {result['tau_per_request']:.3f} "
-                  f"per document, on {len(result['shards'])} held-out shards")
+        log.info(f"step {at}: tau {result['tau']:.3f} (decoding order, pooled), {result['tau_per_request']:.3f} "
+                 f"per document, on {len(result['shards'])} held-out shards")
 
     try:
         for _, inputs in loader:
@@ -380,7 +390,7 @@ def loop(s: Setup, start: int, log) -> dict:
             if step == start + 1:
                 metrics.first_step(t0)
                 if s.artifacts is not None:
-                    compile_record = s.artifacts.finish(metrics.first_step_s, say)
+                    compile_record = s.artifacts.finish(metrics.first_step_s)
                     metrics.compiled(step, compile_record)
             bar.update(1)
             if step % cfg.log_every == 0 or step == s.total:
@@ -400,9 +410,9 @@ def loop(s: Setup, start: int, log) -> dict:
     finally:
         loader.close()
         bar.close()
-    log(f"{run}: trained to step {step} of {s.total}"
-        + (f"; first step {metrics.first_step_s:.1f}s" if metrics.first_step_s else "")
-        + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else ""))
+    log.info(f"{run}: trained to step {step} of {s.total}"
+             + (f"; first step {metrics.first_step_s:.1f}s" if metrics.first_step_s else "")
+             + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else ""))
     return {"steps": step, "resumed_at": start, "first_step_s": metrics.first_step_s, "recompiles": metrics.recompiles,
             "compile": compile_record.get("compile"),
             "cudagraph_skips": metrics.cudagraph_skips() if s.compiled else 0,

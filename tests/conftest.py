@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 import zarr
 
-from dflash import fp8
+from dflash import fp8, logs
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = REPO / "data" / "tiny-target"
@@ -41,6 +42,21 @@ def compile_cache_dir(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_CACHE_DIR", str(path))
         yield path
+
+
+@pytest.fixture
+def said(caplog):
+    """What dflash's log says from here on, as the dflash command prints its lines (`said()`; `said.clear()`)."""
+    caplog.set_level(logging.INFO, logger="dflash")
+
+    class Said:
+        def __call__(self) -> list[str]:
+            return [logs.line(r) for r in caplog.records if r.name.startswith("dflash")]
+
+        def clear(self) -> None:
+            caplog.clear()
+
+    return Said()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

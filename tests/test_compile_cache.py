@@ -44,29 +44,29 @@ class FakeTorch:
         return object() if self.load_result else None
 
 
-def cold_then_saved(tmp_path, fields=None) -> tuple[StepArtifacts, list[str]]:
-    lines = []
+def cold_then_saved(tmp_path, fields=None) -> StepArtifacts:
     art = StepArtifacts(fields or {"T": 1024}, CPU, root=tmp_path)
-    assert art.load(lines.append) == "cold"
-    art.finish(2.0, lines.append)
-    return art, lines
+    assert art.load() == "cold"
+    art.finish(2.0)
+    return art
 
 
-def test_a_cold_run_keeps_its_artifacts_and_the_next_one_hands_them_to_torch(tmp_path, monkeypatch):
+def test_a_cold_run_keeps_its_artifacts_and_the_next_one_hands_them_to_torch(tmp_path, monkeypatch, said):
     fake = FakeTorch(monkeypatch)
-    art, lines = cold_then_saved(tmp_path)
+    art = cold_then_saved(tmp_path)
     assert fake.saved and not fake.loaded
-    assert lines == [f"compiled the training step (cold) in 2.0s; kept for the next run: {art.path}"]
+    assert said() == [f"compiled the training step (cold) in 2.0s; kept for the next run: {art.path}"]
     assert art.path.parent == tmp_path / "compile" and art.path.read_bytes().startswith(MAGIC)
     header = json.loads(art.path.read_bytes()[len(MAGIC):].split(b"\n", 1)[0])
     assert header["fields"]["T"] == 1024 and header["fields"]["torch"] == torch.__version__
     assert header["fields"]["device"] == "cpu" and header["payload_bytes"] == len(fake.saved[0])
 
-    again, lines = StepArtifacts({"T": 1024}, CPU, root=tmp_path), []
-    assert again.load(lines.append) == "warm"
+    again = StepArtifacts({"T": 1024}, CPU, root=tmp_path)
+    said.clear()
+    assert again.load() == "warm"
     assert fake.loaded == fake.saved  # exactly the saved bytes
-    record = again.finish(1.5, lines.append)
-    assert lines == ["compiled the training step (warm) in 1.5s"]
+    record = again.finish(1.5)
+    assert said() == ["compiled the training step (warm) in 1.5s"]
     assert record["compile"] == "warm" and record["compile_s"] == 1.5
     assert len(fake.saved) == 1  # a warm run that compiled nothing anew writes nothing
 
@@ -79,18 +79,18 @@ def test_the_key_follows_the_fields_not_their_order(tmp_path):
     assert a.fields["device"] == "cpu" and "triton" in a.fields
 
 
-def test_artifacts_for_another_step_are_ignored_with_a_warning(tmp_path, monkeypatch):
+def test_artifacts_for_another_step_are_ignored_with_a_warning(tmp_path, monkeypatch, said):
     """A file whose header names other fields (copied, or an older key scheme) never reaches torch."""
     fake = FakeTorch(monkeypatch)
-    old, _ = cold_then_saved(tmp_path, {"T": 1024, "A": 128})
+    old = cold_then_saved(tmp_path, {"T": 1024, "A": 128})
     new = StepArtifacts({"T": 2048, "A": 128}, CPU, root=tmp_path)
     new.path.write_bytes(old.path.read_bytes())
-    lines = []
-    assert new.load(lines.append) == "cold" and fake.loaded == []
-    assert lines == [f"warning: ignoring the compile artifacts in {new.path}: made for another step (differs in T); "
-                     f"compiling cold"]
-    new.finish(3.0, lines.append)  # the cold run replaces them with its own
-    assert StepArtifacts({"T": 2048, "A": 128}, CPU, root=tmp_path).load(lines.append) == "warm"
+    said.clear()
+    assert new.load() == "cold" and fake.loaded == []
+    assert said() == [f"warning: ignoring the compile artifacts in {new.path}: made for another step (differs in "
+                      f"T); compiling cold"]
+    new.finish(3.0)  # the cold run replaces them with its own
+    assert StepArtifacts({"T": 2048, "A": 128}, CPU, root=tmp_path).load() == "warm"
     assert fake.loaded == [fake.saved[1]]
 
 
@@ -109,13 +109,14 @@ def _flip(blob: bytes) -> bytes:
     (lambda blob: b"", "not a dflash compile-artifacts file"),
     (lambda blob: b"\x80\x04garbage" + blob, "not a dflash compile-artifacts file"),
 ])
-def test_a_corrupt_or_truncated_file_is_ignored_with_a_warning(tmp_path, monkeypatch, damage, problem):
+def test_a_corrupt_or_truncated_file_is_ignored_with_a_warning(tmp_path, monkeypatch, damage, problem, said):
     fake = FakeTorch(monkeypatch)
-    art, _ = cold_then_saved(tmp_path)
+    art = cold_then_saved(tmp_path)
     art.path.write_bytes(damage(art.path.read_bytes()))
-    lines = []
-    assert StepArtifacts({"T": 1024}, CPU, root=tmp_path).load(lines.append) == "cold"
+    said.clear()
+    assert StepArtifacts({"T": 1024}, CPU, root=tmp_path).load() == "cold"
     assert fake.loaded == []
+    lines = said()
     assert len(lines) == 1 and lines[0].startswith(f"warning: ignoring the compile artifacts in {art.path}: {problem}")
 
 
@@ -123,18 +124,19 @@ def test_a_corrupt_or_truncated_file_is_ignored_with_a_warning(tmp_path, monkeyp
     (RuntimeError("bad pickle"), "torch could not load the compile artifacts in {path} (RuntimeError: bad pickle)"),
     (None, "torch could not read the compile artifacts in {path}"),
 ])
-def test_a_load_that_torch_refuses_is_cold_with_a_warning(tmp_path, monkeypatch, result, warning):
+def test_a_load_that_torch_refuses_is_cold_with_a_warning(tmp_path, monkeypatch, result, warning, said):
     fake = FakeTorch(monkeypatch)
-    art, _ = cold_then_saved(tmp_path)
-    fake.load_result, lines = result, []
+    art = cold_then_saved(tmp_path)
+    fake.load_result = result
     again = StepArtifacts({"T": 1024}, CPU, root=tmp_path)
-    assert again.load(lines.append) == "cold" and fake.loaded == fake.saved
-    assert lines == [f"warning: {warning.format(path=art.path)}; compiling cold"]
-    assert again.finish(1.0, lines.append)["compile"] == "cold" and len(fake.saved) == 2  # saved again
+    said.clear()
+    assert again.load() == "cold" and fake.loaded == fake.saved
+    assert said() == [f"warning: {warning.format(path=art.path)}; compiling cold"]
+    assert again.finish(1.0)["compile"] == "cold" and len(fake.saved) == 2  # saved again
 
 
 @pytest.mark.parametrize("how", ["not a folder", "disk full"])
-def test_an_unwritable_cache_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, how):
+def test_an_unwritable_cache_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, how, said):
     fake = FakeTorch(monkeypatch)
     root = tmp_path / "cache"
     if how == "not a folder":
@@ -143,33 +145,34 @@ def test_an_unwritable_cache_is_a_warning_and_the_run_goes_on(tmp_path, monkeypa
         def full(path, data):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         monkeypatch.setattr(compile_cache, "write_bytes_atomic", full)
-    lines = []
     art = StepArtifacts({"T": 1024}, CPU, root=root)
-    assert art.load(lines.append) == "cold"
-    record = art.finish(4.0, lines.append)
+    assert art.load() == "cold"
+    record = art.finish(4.0)
     assert record["compile"] == "cold" and fake.saved
+    lines = said()
     assert len(lines) == 2 and lines[0].startswith(f"warning: cannot keep the compile artifacts in {art.path} (")
     assert "the next run compiles cold too" in lines[0] and lines[1] == "compiled the training step (cold) in 4.0s"
     assert not art.path.exists()
 
 
-def test_a_torch_without_the_api_compiles_cold_with_one_note(tmp_path, monkeypatch):
+def test_a_torch_without_the_api_compiles_cold_with_one_note(tmp_path, monkeypatch, said):
     monkeypatch.delattr(torch.compiler, "save_cache_artifacts")
-    lines = []
     art = StepArtifacts({"T": 1024}, CPU, root=tmp_path)
-    assert art.load(lines.append) == "cold"
-    art.finish(5.0, lines.append)
+    assert art.load() == "cold"
+    art.finish(5.0)
+    lines = said()
     assert len(lines) == 2 and lines[0].startswith(f"note: torch {torch.__version__} cannot keep compile artifacts")
     assert lines[1] == "compiled the training step (cold) in 5.0s" and not (tmp_path / "compile").exists()
 
 
-def test_disabled_reads_and_writes_nothing(tmp_path, monkeypatch):
+def test_disabled_reads_and_writes_nothing(tmp_path, monkeypatch, said):
     fake = FakeTorch(monkeypatch)
     cold_then_saved(tmp_path)
-    off, lines = StepArtifacts({"T": 1024}, CPU, root=tmp_path, enabled=False), []
-    assert off.load(lines.append) == "cold"
-    off.finish(1.0, lines.append)
-    assert fake.loaded == [] and len(fake.saved) == 1 and lines == ["compiled the training step (cold) in 1.0s"]
+    off = StepArtifacts({"T": 1024}, CPU, root=tmp_path, enabled=False)
+    said.clear()
+    assert off.load() == "cold"
+    off.finish(1.0)
+    assert fake.loaded == [] and len(fake.saved) == 1 and said() == ["compiled the training step (cold) in 1.0s"]
 
 
 def test_the_folder_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
@@ -178,11 +181,11 @@ def test_the_folder_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
     FakeTorch(monkeypatch)
     arts = []
     for i in range(3):
-        art, _ = cold_then_saved(tmp_path, {"T": i})
+        art = cold_then_saved(tmp_path, {"T": i})
         os.utime(art.path, (1000 + i, 1000 + i))  # written in the order 0, 1, 2
         arts.append(art)
-    assert StepArtifacts({"T": 0}, CPU, root=tmp_path).load(lambda line: None) == "warm"  # 0 used last now
-    fourth, _ = cold_then_saved(tmp_path, {"T": 3})  # the least recently used (1) goes
+    assert StepArtifacts({"T": 0}, CPU, root=tmp_path).load() == "warm"  # 0 used last now
+    fourth = cold_then_saved(tmp_path, {"T": 3})  # the least recently used (1) goes
     kept = {f.name for f in (tmp_path / "compile").glob("*.bin")}
     assert kept == {arts[0].path.name, arts[2].path.name, fourth.path.name}
 
@@ -201,7 +204,7 @@ def test_the_cache_folder_is_dflash_cache_dir_else_xdg_else_home(monkeypatch, tm
 # -- with torch's real artifacts: a second process starts warm from the first one's file ------------------
 
 PROBE = r"""
-import hashlib, json, time, torch
+import hashlib, json, logging, time, torch
 from dflash.compile_cache import StepArtifacts
 handed, real_load = [], torch.compiler.load_cache_artifacts
 def load(payload):
@@ -209,12 +212,17 @@ def load(payload):
     return real_load(payload)
 torch.compiler.load_cache_artifacts = load
 lines = []
+class Lines(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("dflash").addHandler(Lines())
+logging.getLogger("dflash").setLevel(logging.INFO)
 art = StepArtifacts({"probe": "x @ w, 4x8 @ 8x8, with backward"}, torch.device("cpu"))
-state = art.load(lines.append)
+state = art.load()
 f = torch.compile(lambda x, w: x @ w, dynamic=False)  # extern matmuls only: no C++ to build, seconds
 t0 = time.perf_counter()
 f(torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)).sum().backward()
-record = art.finish(time.perf_counter() - t0, lines.append)
+record = art.finish(time.perf_counter() - t0)
 print(json.dumps({"state": state, "record": record, "handed": handed, "lines": lines, "path": str(art.path)}))
 """
 
@@ -316,7 +324,7 @@ def test_a_second_compiled_run_on_the_gpu_starts_warm(tmp_path):
         result = run_cli(["train", "--config", PRESET, "--cache", str(cache), "--out", str(tmp_path / f"run-{name}"),
                           "--max-steps", "3", "--holdout-shards", "0", "--compile", "yes"], env=env, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert f"compiling the training step ({name}) …" in result.stdout
+        assert f"compiling the training step ({name}) …" in result.stderr
         lines = (tmp_path / f"run-{name}" / "metrics.jsonl").read_text().splitlines()
         records.append(next(r for r in map(json.loads, lines) if "compile" in r))
     cold, warm = records

@@ -81,6 +81,18 @@ def test_bad_rows_name_file_and_line(tmp_path, line, message):
         list(read_rows([str(path)]))
 
 
+def test_a_line_that_is_not_utf8_and_a_parquet_that_is_not_are_one_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DflashError, match=r"latin1.jsonl:2: not UTF-8 \(byte 14 of the line\)"):
+        list(read_rows([str(path)]))
+    pytest.importorskip("pyarrow")
+    fake = tmp_path / "rows.parquet"
+    fake.write_text('{"text": "a JSONL file named .parquet"}\n')
+    with pytest.raises(DflashError, match=r"rows.parquet: not a readable Parquet file \(ArrowInvalid"):
+        list(read_rows([str(fake)]))
+
+
 def test_parquet_rows(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

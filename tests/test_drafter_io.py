@@ -216,7 +216,7 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch):
     def full(tensors, filename, metadata=None):
         raise OSError(errno.ENOSPC, "No space left on device", filename)
 
-    monkeypatch.setattr("dflash.drafter_io.save_file", full)
+    monkeypatch.setattr("dflash.files.save_file", full)
     with pytest.raises(DflashError) as e:
         export(run, tmp_path / "export")
     message = str(e.value)
@@ -226,19 +226,20 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch):
     assert checkpoint.latest(run).name == "step-00000003"
 
 
-def test_training_says_at_its_start_which_exports_will_be_refused():
+def test_training_says_at_its_start_which_exports_will_be_refused(said):
     from dflash.train import note_exports
 
-    said = []
-    note_exports(dataclasses.replace(QWEN3_8B, sliding_window=2048), 36, said.append)
-    assert said == [said[0]] and said[0].startswith("note: this drafter exports to speculators only: --format zlab")
+    note_exports(dataclasses.replace(QWEN3_8B, sliding_window=2048), 36)
+    lines = said()
+    assert len(lines) == 1 and lines[0].startswith("note: this drafter exports to speculators only: --format zlab")
     said.clear()
-    note_exports(dataclasses.replace(QWEN3_8B, target_layer_ids=[1, 35]), 36, said.append)
-    assert said == [said[0]] and said[0].startswith("note: this drafter cannot be exported: the drafter reads the "
-                                                    "target's last layer (35)")
+    note_exports(dataclasses.replace(QWEN3_8B, target_layer_ids=[1, 35]), 36)
+    lines = said()
+    assert len(lines) == 1 and lines[0].startswith("note: this drafter cannot be exported: the drafter reads the "
+                                                   "target's last layer (35)")
     said.clear()
-    note_exports(QWEN3_8B, 36, said.append)
-    assert said == []
+    note_exports(QWEN3_8B, 36)
+    assert said() == []
 
 
 def test_export_cli_takes_a_format_and_refuses_an_unknown_one(tmp_path):

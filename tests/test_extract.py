@@ -226,7 +226,7 @@ def test_cache_info_and_ls(cache_dir):
     hidden_on_disk = sum(p.stat().st_size for p in (cache_dir / "hidden").rglob("*") if p.is_file())
     assert i["state_bytes_per_token"] == hidden_on_disk / i["tokens"]["committed"]
     out = run_in_process(["cache", "info", str(cache_dir), "--json"])
-    assert out.exit_code == 0 and json.loads(out.output)["cache_key"] == m["cache_key"]
+    assert out.exit_code == 0 and json.loads(out.stdout)["cache_key"] == m["cache_key"]
     text = run_in_process(["cache", "info", str(cache_dir)]).output
     assert "fill ratio" in text and "per token" in text
     listing = run_in_process(["cache", "ls", str(cache_dir.parent.parent)]).output

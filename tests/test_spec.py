@@ -148,7 +148,7 @@ def test_shipped_drafter_beats_copying_on_held_out_code():
     decodes losslessly and accepts far more than one token per target forward on prompts neither model
     saw: a broken export format, drafter forward or spec loop would drop it to ~1."""
     r = run_spec(str(TINY_TARGET), str(REPO / "data" / "tiny-drafter"),
-                 str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=4, device="cpu", log=lambda *a: None)
+                 str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=4, device="cpu")
     assert r["lossless"] is True and r["block_size"] == 16
     assert r["tau"] >= 4.0 and r["tau"] > r["ngram_tau"], r  # 5.6 and 2.9 when written
 
@@ -174,3 +174,29 @@ def test_decoding_attends_as_training(window, causal):
         assert kv[0][0].shape[1] == (n if window is None else window - 1)
         decoded = model(None, None, ids, pos, block_attention_fn(n, start, B, window, causal, "cpu"), ctx_kv=kv)
     assert rel_err(decoded, trained) < 1e-5
+
+
+def test_json_output_is_one_document_and_the_log_goes_to_stderr(tmp_path):
+    """`dflash spec --json` on a linear-attention hybrid: stdout is exactly one JSON document, the target's
+    notes ("linear-attention layers run on ...") are on stderr."""
+    from safetensors.torch import save_file
+
+    from dflash.config import DrafterConfig
+    from dflash.drafter import Drafter
+    from dflash.drafter_io import to_zlab
+
+    target = REPO / "data" / "tiny-hybrid-target"
+    cfg = DrafterConfig(num_layers=1, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4, block_size=4,
+                        target_layer_ids=[1, 3], mask_token_id=3, vocab_size=4096, max_position_embeddings=4096)
+    drafter = Drafter(cfg, torch.zeros(4096, 256), torch.zeros(4096, 256))
+    export = tmp_path / "drafter"
+    export.mkdir()
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(export / "model.safetensors"))
+    (export / "config.json").write_text(json.dumps(to_zlab(cfg, 6)))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"text": "def add(a, b):"}])
+    r = run_in_process(["spec", "--target", str(target), "--drafter", str(export), "--prompts", str(prompts),
+                        "--max-new-tokens", "6", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)  # the whole of stdout
+    assert result["lossless"] is True and "linear-attention layers run on" in r.stderr

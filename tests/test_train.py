@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO, rel_err, run_cli, run_in_process, start_cli
 from dflash import checkpoint
@@ -123,7 +124,7 @@ def test_eval_trained_beats_untrained(trained_run, tiny_cache, tmp_path):
     for name, run in (("trained", trained_run), ("untrained", untrained)):
         out = run_in_process(["eval", "--drafter", str(run), "--cache", str(tiny_cache), "--json", "--device", "cpu"])
         assert out.exit_code == 0, out.output
-        results[name] = json.loads(out.output)
+        results[name] = json.loads(out.stdout)
     held_out = json.loads((trained_run / "config.json").read_text())["holdout_shards"]
     assert results["trained"]["shards"] == held_out  # a run is evaluated on its held-out shards
     assert len(results["trained"]["per_slot"]) == 15
@@ -133,7 +134,7 @@ def test_eval_trained_beats_untrained(trained_run, tiny_cache, tmp_path):
     run_in_process(["export", str(trained_run), "--out", str(exported)])
     out = run_in_process(["eval", "--drafter", str(exported), "--cache", str(tiny_cache), "--json", "--device", "cpu",
                           "--shards", ",".join(map(str, held_out))])
-    assert abs(json.loads(out.output)["tau"] - results["trained"]["tau"]) < 0.05
+    assert abs(json.loads(out.stdout)["tau"] - results["trained"]["tau"]) < 0.05
 
 
 def test_init_from_starts_from_those_weights_and_refuses_another_shape(trained_run, tiny_cache, tmp_path):
@@ -302,7 +303,9 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_chec
 def test_a_full_disk_while_saving_keeps_the_last_checkpoint(tmp_path, tiny_cache, monkeypatch):
     """ENOSPC in the second checkpoint's first file: one line naming the run and the intact checkpoint;
     no partial folder is left, and the latest checkpoint is still the first."""
-    real, calls = checkpoint.save_file, []
+    from dflash import files
+
+    real, calls = files.save_file, []
 
     def save_file(tensors, filename, metadata=None):
         calls.append(filename)
@@ -310,7 +313,7 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint(tmp_path, tiny_cache
             raise OSError(errno.ENOSPC, "No space left on device", filename)
         return real(tensors, filename, metadata)
 
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(files, "save_file", save_file)
     run = tmp_path / "run"
     result = run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2"))
     assert result.exit_code == 1
@@ -321,3 +324,87 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint(tmp_path, tiny_cache
                          f"from there")
     assert checkpoint.latest(run).name == "step-00000002"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-00000002"]
+
+
+# -- run folders and checkpoints that are damaged, shared or contended ------------------------------------
+
+def test_a_rejected_option_writes_nothing(tmp_path, tiny_cache):
+    run = tmp_path / "run"
+    bad = run_in_process(_train_args(tiny_cache, run, "--lr", "-1", "--max-steps", "2"))
+    assert bad.exit_code == 1 and bad.output.strip() == "error: --lr must be > 0, got -1.0" and not run.exists()
+    assert run_in_process(_train_args(tiny_cache, run, "--max-steps", "2")).exit_code == 0  # the corrected command
+
+
+def test_a_second_train_into_a_held_run_is_refused(tmp_path, tiny_cache):
+    run = tmp_path / "run"
+    first = start_cli(_train_args(tiny_cache, run, "--max-steps", "100000", "--save-every", "100000"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / ".lock").exists() or "pid" not in (run / ".lock").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the folder"
+            time.sleep(0.2)
+        second = run_in_process(_train_args(tiny_cache, run, "--max-steps", "100000", "--save-every", "100000"))
+        assert second.exit_code == 1
+        assert second.output.strip() == f"error: {run}: dflash (pid {first.pid}) is using this training run; wait " \
+                                        f"for it to end or use another folder"
+    finally:
+        first.kill()
+        first.wait()
+    from dflash.files import held
+
+    with held(run, "training run"):  # SIGKILL leaves no stuck lock: the folder can be taken again
+        pass
+
+
+def test_latest_json_never_leads_outside_the_run(tmp_path, tiny_cache):
+    run = tmp_path / "run"
+    assert run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2")).exit_code == 0
+    (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 99, "dir": "../../../../etc"}))
+    assert checkpoint.latest(run) == run / "checkpoints" / "step-00000004"  # the newest complete folder instead
+    again = run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2"))
+    assert again.exit_code == 0 and "already trained for 4 steps" in again.output
+
+
+@pytest.mark.parametrize("damage", ["optimizer missing", "model cut short"])
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(tmp_path, tiny_cache, damage):
+    run = tmp_path / "run"
+    assert run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2")).exit_code == 0
+    newest = run / "checkpoints" / "step-00000004"
+    if damage == "optimizer missing":
+        (newest / "optimizer.safetensors").unlink()
+    else:
+        blob = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    again = run_in_process(_train_args(tiny_cache, run, "--max-steps", "4", "--save-every", "2"))
+    assert again.exit_code == 0, again.output
+    assert f"warning: checkpoint {newest}" in again.output and "resuming from the one before, step-00000002" \
+        in again.output and f"resuming {run} from step 2" in again.output
+    assert checkpoint.latest(run).name == "step-00000004"  # trained again from step 2 and saved
+
+
+def test_export_refuses_non_finite_or_misshapen_weights_and_writes_nothing(tmp_path, trained_run):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    ckpt = checkpoint.latest(run)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    for change, message in ((lambda w: w["norm.weight"].fill_(float("nan")), "norm.weight holds non-finite values"),
+                            (lambda w: w.__setitem__("fc.weight", w["fc.weight"][:, :10].contiguous()),
+                             r"fc.weight has shape \(256, 10\), this drafter's is \(256, 768\)")):
+        broken = {k: v.clone() for k, v in weights.items()}
+        change(broken)
+        save_file(broken, str(ckpt / "model.safetensors"))
+        out = run_in_process(["export", str(run), "--out", str(tmp_path / "export")])
+        assert out.exit_code == 1 and out.output.count("\n") == 1, out.output
+        assert re.search(message, out.output) and not (tmp_path / "export").exists()
+
+
+def test_safetensors_files_follow_the_umask(tmp_path, trained_run, tiny_cache):
+    """A teammate can read a shared cache, run and export: no file is 0600 while the umask allows more."""
+    files = [*checkpoint.latest(trained_run).glob("*.safetensors"), tiny_cache / "target_weights.safetensors"]
+    exported = tmp_path / "export"
+    assert run_in_process(["export", str(trained_run), "--out", str(exported)]).exit_code == 0
+    files.append(exported / "model.safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
