@@ -43,7 +43,7 @@ def info(path, as_json):
         f"key          {i['cache_key']}  (format {m['format_version']}, dflash {m['dflash_version']})",
         f"target       {m['target']['name'] or m['target']['path']}  ({m['target']['model_type']}, "
         f"{m['target']['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']})",
-        f"layers       {m['layer_ids']}",
+        f"layers       {m['layer_ids']}" + (f": {m['layer_convention']}" if m.get("layer_convention") else ""),
         f"shards       {i['shards']['committed']}/{i['shards']['total']} committed"
         + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}",
         f"rows         {i['rows']['total']} read, {i['rows']['planned']} planned, "
@@ -61,6 +61,11 @@ def info(path, as_json):
         + (" (one per token and layer)" if m.get("scale_block") == m["hidden_size"] else "")
         + f" (computed in {m['compute_dtype']})",
     ]
+    for layer, st in i["states"].items():
+        head = "states" if layer == next(iter(i["states"])) else ""
+        lines.append(f"{head:<13}layer {layer}: " + (
+            f"rms {st['rms']:.4g}, |max| {st['abs_max']:.4g}, zeros {st['zero_fraction']:.2%}, non-finite "
+            f"{st['nonfinite']} ({st['shards']} shards)" if st["shards"] else "no statistics (an older cache)"))
     click.echo("\n".join(lines))
 
 

@@ -290,10 +290,12 @@ class Cache:
     # -- writing (extract) --------------------------------------------------------------------------
 
     def write_shard(self, shard: int, hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,
-                    target_ids: np.ndarray, pool=None, hidden_scale: np.ndarray | None = None) -> None:
+                    target_ids: np.ndarray, pool=None, hidden_scale: np.ndarray | None = None,
+                    state_stats: dict | None = None) -> None:
         """Write one shard's arrays (chunks in parallel on `pool`, a thread pool), then its commit
         record. `hidden` is [L, T, H] uint16 (bf16 bits) or uint8 (e4m3 bits, with `hidden_scale`
-        [L, T, G] uint16): one contiguous [T, ...] block per chunk."""
+        [L, T, G] uint16): one contiguous [T, ...] block per chunk. `state_stats`: per layer id, what its
+        states look like (kept in the record; `info` sums them)."""
         layered = {"hidden": hidden, "hidden_scale": hidden_scale}
         if (hidden_scale is not None) != self.fp8:
             raise ValueError(f"{self.path}: hidden_scale is {'required' if self.fp8 else 'not used'} here")
@@ -311,6 +313,8 @@ class Cache:
         record = {"shard": shard, "cache_key": self.manifest["cache_key"], "docs": int((row_ids >= 0).sum()),
                   "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()),
                   "crc32c": {**crcs, "row_ids": checksum(row_ids), "doc_lens": checksum(doc_lens)}}
+        if state_stats is not None:
+            record["state_stats"] = state_stats
         write_json_atomic(self._record_path(shard), record, indent=None)  # the record is either whole or absent
 
     def _write_chunk(self, name: str, coords: tuple, block: np.ndarray) -> int:
@@ -443,8 +447,24 @@ def info(path: str | Path) -> dict:
         "shard_bytes_per_token": (size - side) / done_tokens if done_tokens else None,  # without the weights
         "state_bytes_per_token": states / done_tokens if done_tokens else None,  # hidden (+ hidden_scale) only
         "storage": {"dtype": m["storage_dtype"], "scale_block": m.get("scale_block")},
+        "states": state_summary(records, m["layer_ids"]),
         "manifest": m,
     }
+
+
+def state_summary(records: list[dict], layer_ids: list[int]) -> dict:
+    """Per layer id, over the committed shards whose records hold statistics: RMS, largest |value|, share of
+    exact zeros, non-finite values, and how many shards were counted (older caches have none)."""
+    out = {}
+    for layer in layer_ids:
+        parts = [r["state_stats"][str(layer)] for r in records if str(layer) in r.get("state_stats", {})]
+        values = sum(p["values"] for p in parts)
+        out[str(layer)] = {"shards": len(parts),
+                           "rms": (sum(p["sum_squares"] for p in parts) / values) ** 0.5 if values else None,
+                           "abs_max": max((p["abs_max"] for p in parts), default=None),
+                           "zero_fraction": sum(p["zeros"] for p in parts) / values if values else None,
+                           "nonfinite": sum(p["nonfinite"] for p in parts)}
+    return out
 
 
 def verify(path: str | Path, progress=None) -> list[tuple[int, str]]:

@@ -108,6 +108,9 @@ class ExtractConfig(_Checked):
     """MoE targets: `auto` (= `grouped_mm`, the fastest exact one), `grouped_mm`, `batched_mm`, `eager`."""
     trust_remote_code: bool = False
     """Allow the target's own modeling code. Off unless asked for."""
+    nonfinite: Literal["fail", "warn"] = "fail"
+    """A layer's states holding NaN or inf (the target overflowed): `fail` stops before the shard is committed,
+    naming the layer and shard; `warn` keeps them and says so."""
 
     def resolved_max_len(self) -> int:
         return self.token_budget if self.max_len is None else self.max_len

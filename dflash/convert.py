@@ -103,4 +103,4 @@ def _convert_shard(src: cachelib.Cache, dst: cachelib.Cache, s: int, device, poo
         q, scale = fp8.quantize(fp8.bf16_from_bits(shard.hidden[:, layer]).to(device), dst.scale_block)
         buffers["hidden"][layer], buffers["hidden_scale"][layer] = q.cpu().numpy(), fp8.to_bits(scale.cpu())
     dst.write_shard(s, buffers["hidden"], shard.input_ids, shard.loss_mask, shard.target_ids, pool,
-                    hidden_scale=buffers["hidden_scale"])
+                    hidden_scale=buffers["hidden_scale"], state_stats=src.commit_record(s).get("state_stats"))

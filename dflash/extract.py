@@ -201,9 +201,11 @@ def _create(out: Path, cfg: ExtractConfig, fields: dict, extra: dict, plan_array
         **key_fields,
         "cache_key": cachelib.cache_key(key_fields),
         "dflash_version": dflash.__version__,
-        "target": {"name": cfg.target, "path": str(model.name_or_path),
+        "target": {"name": cfg.target, "path": str(model.name_or_path), "revision": hub_revision(model.name_or_path),
+                   "config_hash": key_fields["target_config_hash"],
                    "model_type": tconf.model_type, "num_layers": tconf.num_hidden_layers,
                    "architectures": getattr(model.config, "architectures", None)},
+        "layer_convention": LAYER_CONVENTION,
         "hidden_size": tconf.hidden_size,
         "vocab_size": vocab,
         "pad_id": int(pad_id),
@@ -258,6 +260,64 @@ def _docs_for(cfg, tokenizer, cache, windows, docs: dict[int, Doc]) -> dict[int,
     return docs
 
 
+LAYER_CONVENTION = ("layer id i is the output of decoder layer i, i.e. Hugging Face's output_hidden_states[i + 1] "
+                    "(the residual stream before the next layer); the last layer, id N-1, is taken after the "
+                    "model's final norm, as hidden_states[N] (last_hidden_state) is, while vLLM and SGLang capture "
+                    "it before the norm")
+
+
+def hub_revision(path) -> str | None:
+    """The commit of a target loaded from the Hugging Face cache (its snapshot folder's name), else None."""
+    parts = Path(str(path)).resolve().parts
+    if len(parts) >= 2 and parts[-2] == "snapshots" and len(parts[-1]) == 40:
+        return parts[-1]
+    return None
+
+
+# -- what the states look like: the cache's proof that it holds states, not zeros or overflow -----------------
+
+STAT_FIELDS = ("sum_squares", "abs_max", "zeros", "nonfinite")  # per layer and shard, over its real tokens
+
+
+def add_state_stats(stats: torch.Tensor, shard_of: torch.Tensor, states: torch.Tensor) -> None:
+    """Add tokens' states [n, H] (bf16, as stored) to the per-shard sums `stats` [W, 4] (float64): sum of
+    squares of the finite values, largest finite |value|, exact zeros, non-finite values. On the device, no
+    host sync."""
+    x = states.float()
+    finite = torch.isfinite(x)
+    clean = torch.where(finite, x, 0.0)
+    per_token = torch.stack([clean.pow(2).sum(-1), clean.abs().amax(-1), (x == 0).sum(-1),
+                             (~finite).sum(-1)], -1).double()  # [n, 4]
+    sums = per_token.clone()
+    sums[:, 1] = 0  # the maximum is no sum
+    stats.index_add_(0, shard_of, sums)
+    stats[:, 1] = stats[:, 1].scatter_reduce(0, shard_of, per_token[:, 1], "amax")
+
+
+def check_states(stats: np.ndarray, cache: cachelib.Cache, shard: int, nonfinite: str) -> dict:
+    """One shard's per-layer statistics [L, 4] as its commit record keeps them, after the checks: a layer whose
+    states hold a non-finite value (unless `--nonfinite warn`) or are all zero stops the extraction before the
+    shard is committed, naming the layer and the shard."""
+    m = cache.manifest
+    tokens = int(cache.arrays["doc_lens"][shard].sum())
+    out = {}
+    for (sum_sq, abs_max, zeros, bad), layer in zip(stats.tolist(), m["layer_ids"]):
+        values = tokens * m["hidden_size"]
+        if bad:
+            message = (f"layer {layer}'s states in shard {shard} hold {int(bad)} non-finite values (the target "
+                       f"overflowed in {m['compute_dtype']}?)")
+            if nonfinite == "fail":
+                raise DflashError(f"{message}: nothing of the shard was committed; --dtype fp32 may avoid it, "
+                                  f"--nonfinite warn keeps them")
+            log.warning(f"{message}; kept (--nonfinite warn)")
+        if values and zeros == values:
+            raise DflashError(f"layer {layer}'s states in shard {shard} are all zero: the target's layer was not "
+                              f"captured (a hook on the wrong module?); nothing of the shard was committed")
+        out[str(layer)] = {"sum_squares": sum_sq, "abs_max": abs_max, "zeros": int(zeros), "nonfinite": int(bad),
+                           "values": values}
+    return out
+
+
 # A forward's fixed cost (launches, per-layer work that does not scale with rows), in padded tokens: the
 # batching below trades one more forward for at least this much less padding.
 FORWARD_COST_TOKENS = 1024
@@ -296,12 +356,14 @@ class _Slot:
     hidden: torch.Tensor  # [L, W, T, H] on the device: bf16, or e4m3 bits (uint8) with fp8 storage
     target_ids: torch.Tensor  # [W, T] int32 on the device
     scale: torch.Tensor | None  # fp8 storage: [L, W, T, G] bf16 on the device
+    stats: torch.Tensor  # [L, W, 4] float64 on the device: per layer and shard, `state_stats` of its states
     host: dict  # the same tensors by name, in pinned host memory (the device tensors themselves on CPU)
     copied: torch.cuda.Event | None = None  # CUDA: the window's device-to-host copy is done
     batches: list = field(default_factory=list)  # CUDA: (start, end) events around each forward
 
     def device_tensors(self) -> dict:
-        return {"hidden": self.hidden, "target_ids": self.target_ids, "hidden_scale": self.scale}
+        return {"hidden": self.hidden, "target_ids": self.target_ids, "hidden_scale": self.scale,
+                "stats": self.stats}
 
 
 def _make_slot(L, W, T, H, device, scale_block: int | None) -> _Slot:
@@ -309,7 +371,8 @@ def _make_slot(L, W, T, H, device, scale_block: int | None) -> _Slot:
     hidden = torch.zeros(L, W, T, H, dtype=torch.uint8 if fp8_storage else torch.bfloat16, device=device)
     scale = torch.zeros(L, W, T, fp8.num_groups(H, scale_block), dtype=fp8.SCALE_DTYPE, device=device) \
         if fp8_storage else None
-    slot = _Slot(hidden, torch.zeros(W, T, dtype=torch.int32, device=device), scale, {})
+    stats = torch.zeros(L, W, len(STAT_FIELDS), dtype=torch.float64, device=device)
+    slot = _Slot(hidden, torch.zeros(W, T, dtype=torch.int32, device=device), scale, stats, {})
     if device.type == "cpu":
         slot.host = slot.device_tensors()
     else:
@@ -322,9 +385,11 @@ def _make_slot(L, W, T, H, device, scale_block: int | None) -> _Slot:
 class _Writer(threading.Thread):
     """Writes finished windows while the main thread computes the next one."""
 
-    def __init__(self, cache: cachelib.Cache, committed: set[int], free: queue.Queue, on_commit, write_threads: int):
+    def __init__(self, cache: cachelib.Cache, committed: set[int], free: queue.Queue, on_commit, write_threads: int,
+                 nonfinite: str = "fail"):
         super().__init__(daemon=True, name="dflash-writer")
         self.cache, self.committed, self.free, self.on_commit = cache, committed, free, on_commit
+        self.nonfinite = nonfinite
         self.pool = ThreadPoolExecutor(write_threads, thread_name_prefix="dflash-write")
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -354,11 +419,13 @@ class _Writer(threading.Thread):
         hidden = fp8.to_bits(slot.host["hidden"])  # [L, W, T, H]: bf16 bits (uint16) or e4m3 bits (uint8)
         scale = None if slot.scale is None else fp8.to_bits(slot.host["hidden_scale"])  # [L, W, T, G]
         target_ids = slot.host["target_ids"].numpy()
+        stats = slot.host["stats"].numpy()  # [L, W, 4]
         for w, s in enumerate(shards):
             if s in self.committed:
                 continue  # committed before a crash: the window was recomputed, the shard is not rewritten
+            shard_stats = check_states(stats[:, w], self.cache, s, self.nonfinite)
             self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool,
-                                   hidden_scale=None if scale is None else scale[:, w])
+                                   hidden_scale=None if scale is None else scale[:, w], state_stats=shard_stats)
             self.on_commit(s)
         self.write_s += time.perf_counter() - t1
 
@@ -387,7 +454,7 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
     free: queue.Queue = queue.Queue()
     for _ in range(2):  # two slots: window k+1 computes while window k is copied and written
         free.put(_make_slot(L, W, T, H, device, cache.scale_block))
-    writer = _Writer(cache, committed, free, on_commit, cfg.write_threads)
+    writer = _Writer(cache, committed, free, on_commit, cfg.write_threads, cfg.nonfinite)
     writer.start()
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     t_start, wait_free_s, tokens, padded = time.perf_counter(), 0.0, 0, 0
@@ -442,6 +509,7 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
             placed.append((doc, w * T + offset))
             offset += n
         slot.hidden[:, w, offset:].zero_()  # pad positions hold zeros (the slot is reused)
+        slot.stats[:, w].zero_()
         if slot.scale is not None:
             slot.scale[:, w, offset:].zero_()
         slot.target_ids[w, offset:] = pad
@@ -467,8 +535,10 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
         src_t = torch.from_numpy(np.concatenate(src)).to(device, non_blocking=True)  # [n_real]
         dst_t = torch.from_numpy(np.concatenate(dst)).to(device, non_blocking=True)
         hidden, last = target.forward(torch.from_numpy(ids).to(device, non_blocking=True))
+        shard_of = dst_t // T  # [n_real] the window's shard each token lands in
         for layer, h in enumerate(hidden):  # h: [b, width, H]
             states = h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16)  # [n_real, H]
+            add_state_stats(slot.stats[layer], shard_of, states)
             if scale_flat is None:
                 hidden_flat[layer].index_copy_(0, dst_t, states)
             else:  # quantised here, on the device, before the copy to the host: half the bytes to move

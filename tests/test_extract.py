@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -338,3 +339,65 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(cache_dir, small_d
     assert run_in_process(extract_args(small_data, out)).exit_code == 0
     a, b = read_arrays(cache_dir), read_arrays(out)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# -- the cache proves its states -------------------------------------------------------------------------
+
+def test_the_states_statistics_are_those_of_the_cached_states(cache_dir):
+    """`cache info`'s per-layer RMS, largest |value|, zero share and non-finite count equal what the arrays
+    hold in the real tokens; the manifest says what a layer id means."""
+    arrays, m = read_arrays(cache_dir), read_manifest(cache_dir)
+    real = np.arange(arrays["input_ids"].shape[1])[None, :] < arrays["doc_lens"].sum(1)[:, None]  # [S, T]
+    states = info(cache_dir)["states"]
+    for slot, layer in enumerate(m["layer_ids"]):
+        x = bf16_bits_to_float(arrays["hidden"][:, :, slot])[torch.from_numpy(real)].double()  # [tokens, H]
+        st = states[str(layer)]
+        assert st["shards"] == m["num_shards"] and st["nonfinite"] == 0
+        assert st["rms"] == pytest.approx(x.pow(2).mean().sqrt().item(), rel=1e-6)  # per-token sums in fp32
+        assert st["abs_max"] == pytest.approx(x.abs().max().item(), rel=1e-9)
+        assert st["zero_fraction"] == pytest.approx((x == 0).double().mean().item(), abs=1e-12)
+    assert "output_hidden_states[i + 1]" in m["layer_convention"] and "after the" in m["layer_convention"]
+    assert m["target"]["config_hash"] == m["target_config_hash"]
+    text = run_in_process(["cache", "info", str(cache_dir)]).output
+    assert f"layer {m['layer_ids'][0]}: rms " in text
+
+
+def _spoil_layer(monkeypatch, layer_slot: int, value: float, at_call: int = 2):
+    """From the target's `at_call`-th forward on, the states of one captured layer are replaced by `value`
+    (zeros: a layer that was not captured; inf: an overflow)."""
+    from dflash.target import Target
+
+    real, calls = Target.forward, []
+
+    def forward(self, input_ids, cache=None):
+        hidden, last = real(self, input_ids, cache)
+        calls.append(1)
+        if len(calls) >= at_call:
+            hidden[layer_slot] = torch.full_like(hidden[layer_slot], value)
+        return hidden, last
+
+    monkeypatch.setattr(Target, "forward", forward)
+
+
+@pytest.mark.parametrize("value, what", [(0.0, "are all zero"), (float("inf"), "hold .* non-finite values")])
+def test_a_dead_or_overflowing_layer_stops_extraction_naming_layer_and_shard(tmp_path, small_data, monkeypatch,
+                                                                             value, what):
+    out = tmp_path / "c"
+    _spoil_layer(monkeypatch, 1, value)
+    result = run_in_process(extract_args(small_data, out, layers="1,3,5", **{"batch-size": 4}))
+    assert result.exit_code == 1
+    errors = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and re.match(rf"error: layer 3's states in shard \d+ {what}", errors[0]), errors
+    bad = int(re.search(r"shard (\d+)", errors[0]).group(1))
+    assert bad not in committed(out)  # nothing of it was committed
+    assert "nothing of the shard was committed" in errors[0]
+
+
+def test_nonfinite_warn_keeps_the_states_and_says_so(tmp_path, small_data, monkeypatch):
+    out = tmp_path / "c"
+    _spoil_layer(monkeypatch, 0, float("nan"), at_call=1)
+    result = run_in_process(extract_args(small_data, out, nonfinite="warn"))
+    assert result.exit_code == 0, result.output
+    assert "warning: layer " in result.output and "kept (--nonfinite warn)" in result.output
+    first = str(read_manifest(out)["layer_ids"][0])
+    assert info(out)["states"][first]["nonfinite"] > 0
