@@ -22,6 +22,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--prompts", default=".qdata/code_all.jsonl", help="headers for the target to continue")
     ap.add_argument("--gen", help="already generated rows (skips regenerate; .jsonl or .jsonl.gz)")
     ap.add_argument("--answers", help="dflash spec --save-outputs answers: offline tau on a cache of them")
+    ap.add_argument("--layers", action="append",
+                    help="target layers a drafter reads; repeat for one main run each (default 1,3,5)")
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--num-anchors", type=int, default=512)
@@ -92,6 +95,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     dev = "cpu" if args.smoke else "cuda"
+    layer_sets = args.layers or ["1,3,5"]
+    extract_layers = ",".join(map(str, sorted({int(i) for ls in layer_sets for i in ls.split(",")})))
     limit = ["--limit", "48"] if args.smoke else []
     summary: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": {}}
 
@@ -119,7 +124,7 @@ def main() -> None:
     save()
 
     # 2. the cache of the distinct texts (a quarter of the headers are common signatures such as
-    #    `def __init__(self):`, whose greedy bodies are identical), target layers 1, 3, 5
+    #    `def __init__(self):`, whose greedy bodies are identical), every target layer a run reads
     unique, seen = work / "code_all.unique.jsonl", set()
     with gen.open(encoding="utf-8") as src, unique.open("w", encoding="utf-8") as dst:
         for line in src:
@@ -131,14 +136,15 @@ def main() -> None:
     cache = work / "cache"
     gpu_extract = [] if args.smoke else ["--batch-size", "512", "--batch-tokens", "131072"]
     summary["seconds"]["extract"] = run(
-        [*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(cache), "--layers", "1,3,5",
+        [*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(cache), "--layers", extract_layers,
          "--data", str(unique), "--data", "data/sample/generated/text.jsonl",
          "--token-budget", str(args.token_budget), "--max-docs", "64", "--device", dev, *gpu_extract, *limit], log)
     save()
 
-    train = [*DFLASH, "train", "--config", "configs/tiny.toml", "--cache", str(cache), "--layers", "1,3,5",
-             "--num-layers", str(args.num_layers), "--num-anchors", str(args.num_anchors), "--lr", str(args.lr),
-             "--device", dev, "--eval-every", "0"]
+    train = [*DFLASH, "train", "--config", "configs/tiny.toml", "--cache", str(cache),
+             "--num-layers", str(args.num_layers), "--num-anchors", str(16 if args.smoke else args.num_anchors),
+             "--lr", str(args.lr),
+             "--device", dev, "--eval-every", "0", *(["--holdout-shards", "1"] if args.smoke else [])]
 
     # 3. probe: the step time of exactly this configuration (its compile also warms inductor's cache),
     #    unless a previous call measured it (--step-ms, --startup-s)
@@ -147,40 +153,48 @@ def main() -> None:
     else:
         probe = work / "probe"
         probe_steps = 20 if args.smoke else 300
-        t = run([*train, "--out", str(probe), "--max-steps", str(probe_steps), "--log-every", "50",
-                 "--save-every", "100000"], log)
+        t = run([*train, "--layers", layer_sets[0], "--out", str(probe), "--max-steps", str(probe_steps),
+                 "--log-every", "50", "--save-every", "100000"], log)
         step_s = args.token_budget / step_metrics(probe)[-1]["tokens_per_s"]  # the last window: compiled, warm
         startup_s = t - probe_steps * step_s
     summary["step"] = {"step_ms": 1e3 * step_s, "startup_s": startup_s, "measured": not args.step_ms}
     save()
 
-    # 4. the main run: as many steps as fit, keeping ~45 s for export and evaluation
+    # 4. the main runs (one per --layers), each as many steps as fit, keeping ~45 s for export and evaluation
     reserve = 45 if not args.smoke else 5
-    left = args.budget - elapsed() - startup_s - reserve
+    left = (args.budget - elapsed() - reserve) / len(layer_sets) - startup_s
     steps = max(100, min(args.max_steps, int(0.92 * left / step_s)))
-    main_run = work / "run"
-    summary["main"] = {"planned_steps": steps}
-    save()
-    summary["seconds"]["train"] = run(
-        [*train, "--out", str(main_run), "--max-steps", str(steps), "--log-every", "200", "--save-every", "1000"],
-        log, timeout=max(30.0, args.budget - elapsed() - reserve + 15))
-    steps_logged = step_metrics(main_run)
-    summary["main"].update(steps_done=steps_logged[-1]["step"] if steps_logged else 0,
-                           final=steps_logged[-1] if steps_logged else None)
-    if (main_run / "metrics.jsonl").exists():
-        shutil.copy(main_run / "metrics.jsonl", out / "metrics.jsonl")
-    save()
+    summary["runs"] = {}
+    for layers in layer_sets:
+        name = layers.replace(",", "-")
+        run_dir, res = work / f"run-{name}", {"layers": layers, "planned_steps": steps}
+        summary["runs"][layers] = res
+        share = (args.budget - elapsed() - reserve) / (len(layer_sets) - list(layer_sets).index(layers))
+        res["seconds"] = run([*train, "--layers", layers, "--out", str(run_dir), "--max-steps", str(steps),
+                              "--log-every", "200", "--save-every", "1000"], log, timeout=max(30.0, share + 10))
+        logged = step_metrics(run_dir)
+        res.update(steps_done=logged[-1]["step"] if logged else 0, final=logged[-1] if logged else None)
+        save()
 
-    # 5. export and offline tau
-    export = out / "drafter"
-    run([*DFLASH, "export", str(main_run), "--out", str(export)], log)
-    summary["holdout"] = offline_tau(main_run, cache, dev)
-    save()
-    if args.answers:
-        ans = work / "cache-answers"
-        run([*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(ans), "--layers", "1,3,5",
-             "--data", args.answers, "--device", dev], log)
-        summary["answers"] = offline_tau(export, ans, dev)
+        # 5. the drafter back to the workstation (online tau there) as one tar (at most 8 files come back):
+        #    the run's config, metrics and newest weights, without the optimizer
+        newest = sorted((run_dir / "checkpoints").glob("step-*"))
+        if newest:
+            with tarfile.open(out / f"run-{name}.tar", "w") as tar:
+                for f in ["config.json", "metrics.jsonl", "checkpoints/latest.json",
+                          *(f"checkpoints/{newest[-1].name}/{n}" for n in ("model.safetensors", "state.json"))]:
+                    tar.add(run_dir / f, arcname=f"run-{name}/{f}")
+        ex = subprocess.run([*DFLASH, "export", str(run_dir), "--out", str(work / f"drafter-{name}")],
+                            capture_output=True, text=True, cwd=REPO)
+        res["export"] = "ok" if ex.returncode == 0 else ex.stderr.strip()[-300:]  # checked, not returned
+        res["holdout"] = offline_tau(run_dir, cache, dev)
+        if args.answers:
+            ans = work / "cache-answers"
+            if not ans.exists():
+                run([*DFLASH, "extract", "--config", "configs/tiny.toml", "--out", str(ans),
+                     "--layers", extract_layers, "--data", args.answers, "--device", dev], log)
+            res["answers"] = offline_tau(run_dir, ans, dev)
+        save()
     if tests is not None:
         try:
             summary["gpu_tests_rc"] = tests.wait(timeout=max(1.0, args.budget - elapsed()))
@@ -190,18 +204,17 @@ def main() -> None:
     summary["seconds"]["total"] = elapsed()
     save()
 
-    def tau(key):
-        r = summary.get(key)
+    def tau(r):
         return f"{r['tau']:.3f} (anchors {r['tau_anchors']:.3f})" if isinstance(r, dict) else str(r)[:60]
     print(f"\n{'phase':<24}{'value'}")
     for k, v in summary["seconds"].items():
         print(f"{k + ' s':<24}{v:.1f}")
     print(f"{'step ms':<24}{summary['step']['step_ms']:.2f}")
-    print(f"{'main steps':<24}{summary['main']['steps_done']} of {steps}")
-    if summary["main"]["final"]:
-        print(f"{'final loss':<24}{summary['main']['final']['loss']:.3f}")
-    print(f"{'tau held-out shards':<24}{tau('holdout')}")
-    print(f"{'tau spec answers':<24}{tau('answers')}")
+    for layers, res in summary["runs"].items():
+        print(f"layers {layers}: {res['steps_done']} of {res['planned_steps']} steps, "
+              f"loss {res['final']['loss'] if res['final'] else float('nan'):.3f}, export {res['export'][:40]}")
+        print(f"{'  tau held-out shards':<24}{tau(res.get('holdout'))}")
+        print(f"{'  tau spec answers':<24}{tau(res.get('answers'))}")
     print(f"{'gpu tests rc':<24}{summary.get('gpu_tests_rc')}")
 
 
