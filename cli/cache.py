@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from dflash.config import ExtractConfig
+from dflash.config import ExtractConfig, RecomputeConfig
 from dflash_cli.main import user_errors
 from dflash_cli.options import field_option
 
@@ -69,23 +69,57 @@ def info(path, as_json):
     click.echo("\n".join(lines))
 
 
+def _recompute_options(fn):
+    for name in reversed(["recompute", "target", "device", "dtype", "tolerance", "seed", "device_map",
+                          "experts_implementation", "trust_remote_code"]):
+        fn = field_option(RecomputeConfig, name)(fn)
+    return fn
+
+
 @cache.command()
 @click.argument("path", type=click.Path(file_okay=False))
+@_recompute_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @user_errors
-def verify(path):
-    """Check every committed shard against its checksums; exit 1 naming the bad shards."""
+def verify(path, as_json, **options):
+    """Check every committed shard against its checksums; with --recompute N, also rerun the target on N
+    documents and compare their states with the cache's. Exit 1 naming every shard, document and layer that
+    fails."""
     from tqdm.auto import tqdm
 
     from dflash.cache import verify as cache_verify
+    from dflash.recompute import TARGET_IDS_AGREE, describe, recompute
 
+    cfg = RecomputeConfig(**options)
     bad = cache_verify(path, progress=lambda it: tqdm(it, desc="verify", unit="shard", leave=False))
-    if bad:
-        for shard, problem in bad:
-            click.echo(f"{path}: {'shard ' + str(shard) if shard >= 0 else 'weights'}: {problem}", err=True)
-        shards = [s for s, _ in bad if s >= 0]
-        click.echo(f"error: {len(bad)} problem(s); bad shards: {shards}", err=True)
+    problems = [f"{'shard ' + str(shard) if shard >= 0 else 'weights'}: {problem}" for shard, problem in bad]
+    result = {"path": path, "checksums": [{"shard": s, "problem": p} for s, p in bad]}
+    if cfg.recompute and not bad:  # states are only compared once the bytes are known to be the written ones
+        r = recompute(path, cfg, progress=lambda it: tqdm(it, desc="recompute", unit="doc", leave=False))
+        result["recompute"] = r
+        problems += [describe(x, cfg.tolerance) for x in r["mismatches"]]
+        if r["target_ids_agree"] < TARGET_IDS_AGREE:
+            problems.append(f"target_ids: only {r['target_ids_agree']:.1%} of the cached greedy predictions are "
+                            f"the target's")
+    result["ok"] = not problems
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    for line in problems:
+        click.echo(f"{path}: {line}", err=True)
+    if problems:
+        shards = sorted({s for s, _ in bad if s >= 0} | {x["shard"] for x in result.get("recompute", {})
+                                                          .get("mismatches", [])})
+        click.echo(f"error: {len(problems)} problem(s); bad shards: {shards}", err=True)
         sys.exit(1)
+    if as_json:
+        return
     click.echo(f"{path}: all committed shards verified")
+    if "recompute" in result:
+        r = result["recompute"]
+        worst = ", ".join(f"{layer} {err:.2g}" for layer, err in r["layers"].items())
+        click.echo(f"{path}: {len(r['documents'])} documents recomputed on {r['device']} ({r['dtype']}) match the "
+                   f"target {r['target']}: largest relative error per layer {worst} (tolerance {cfg.tolerance:g}); "
+                   f"target_ids agree {r['target_ids_agree']:.2%}")
 
 
 @cache.command(name="ls")

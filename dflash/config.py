@@ -374,6 +374,39 @@ class RegenerateConfig(_Checked):
         _check_device_map(self.device_map)
 
 
+@dataclass(kw_only=True)
+class RecomputeConfig(_Checked):
+    """What `dflash cache verify --recompute` needs: how many documents, which target, where it runs."""
+
+    recompute: int = 0
+    """Rerun the target on N documents sampled across the committed shards and compare their states with
+    the cache's, layer by layer (0: checksums only)."""
+    target: str | None = None
+    """The target to recompute with (a folder or hub id). None: the one the cache was extracted from."""
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
+    dtype: ComputeDtype = "auto"
+    """Compute dtype: `auto` (the one the cache was computed in), `bf16`, `fp16`, `fp32`."""
+    tolerance: float = 0.05
+    """Largest relative error (|cached - recomputed| / |recomputed|, per document and layer) that still
+    matches. The same dtype on the same kind of device gives ~0; bf16 against fp32 about 1e-2 on small
+    targets; a wrong layer or target, far more."""
+    seed: int = 0
+    """Which documents are sampled."""
+    device_map: str | None = None
+    """Spread a target too big for one GPU over the machine's (as `dflash extract --device-map`)."""
+    experts_implementation: ExpertsImplementation = "auto"
+    """MoE targets: `auto` (= `grouped_mm`), `grouped_mm`, `batched_mm`, `eager`."""
+    trust_remote_code: bool = False
+    """Allow the target's own modeling code. Off unless asked for."""
+
+    def validate(self) -> None:
+        self._at_least(0, "recompute", "seed")
+        if not 0 < self.tolerance < 1:
+            raise DflashError(f"--tolerance must be in (0, 1), got {self.tolerance}")
+        _check_device_map(self.device_map)
+
+
 def _require_io(cfg) -> None:
     """extract and regenerate read --target and --data, and write --out."""
     if not cfg.target:

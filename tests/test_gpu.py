@@ -111,3 +111,31 @@ def test_moe_default_experts_on_the_gpu_write_the_states_of_the_eager_loop(tmp_p
     assert rel_err(bf16_bits_to_float(fast["hidden"]), bf16_bits_to_float(loop["hidden"])) < 2e-2
     used = loop["input_ids"] != 0
     assert (fast["target_ids"][used] == loop["target_ids"][used]).mean() > 0.9
+
+
+def test_recompute_proves_a_gpu_cache_and_catches_another_target(tmp_path, small_data):
+    """`cache verify --recompute` on the GPU: a bf16 cache extracted there matches its target rerun document by
+    document (on the GPU, and in fp32 on the CPU within the default tolerance); a copy of the target with one
+    layer changed is caught from that layer on."""
+    import torch
+    from test_recompute import target_copy
+
+    out = tmp_path / "c"
+    assert run_in_process(extract_args(small_data, out, device="cuda", layers="1,3,4")).exit_code == 0
+    errors = {}
+    for device, dtype in (("cuda", "auto"), ("cpu", "fp32")):
+        result = run_in_process(["cache", "verify", str(out), "--recompute", "6", "--device", device, "--dtype", dtype,
+                                 "--json"])
+        assert result.exit_code == 0, result.output
+        errors[device] = max(json.loads(result.stdout)["recompute"]["layers"].values())
+    assert errors["cuda"] < 1e-2, errors  # bf16 again, each document alone instead of in a batch
+
+    def change(model):
+        with torch.no_grad():
+            model.model.layers[2].mlp.down_proj.weight.mul_(1.5)
+
+    other = target_copy(tmp_path / "t", change)
+    result = run_in_process(["cache", "verify", str(out), "--recompute", "4", "--device", "cuda", "--target", other])
+    assert result.exit_code == 1
+    named = {line.split(", layer ")[1].split(":")[0] for line in result.stderr.splitlines() if ", layer " in line}
+    assert named == {"3", "4"}, result.stderr
