@@ -25,7 +25,7 @@ import zarr.codecs
 import zarr.storage
 
 from dflash.errors import DflashError
-from dflash.files import load_tensors, save_tensors, sha256_file, write_json_atomic
+from dflash.files import load_tensors, save_tensors, sha256_file, write_json_atomic, write_text_atomic
 
 FORMAT_VERSION = 1  # bf16 storage
 FP8_FORMAT_VERSION = 2  # fp8 storage (+ `hidden_scale`): a format-1 reader refuses it instead of misreading it
@@ -143,7 +143,7 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
             a[:] = values
     save_tensors({k: v.contiguous() for k, v in weights.items()}, path / WEIGHTS_FILE,
                  metadata={"cache_key": manifest["cache_key"]})
-    (path / TARGET_CONFIG_FILE).write_text(json.dumps(target_config, indent=2, sort_keys=True))
+    write_text_atomic(path / TARGET_CONFIG_FILE, json.dumps(target_config, indent=2, sort_keys=True))
     (path / COMMITS).mkdir(exist_ok=True)
     manifest = dict(manifest, weights_sha256=sha256_file(path / WEIGHTS_FILE))
     group.attrs[MANIFEST_ATTR] = manifest

@@ -67,8 +67,8 @@ def _write(tmp: Path, model: torch.nn.Module, optimizer, state: dict, step: int)
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     save_tensors(rng, tmp / "rng.safetensors")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "param_groups": groups,
-                                                "param_names": list(params)}, indent=2))
+    write_json_atomic(tmp / "state.json", {**state, "step": step, "param_groups": groups,
+                                           "param_names": list(params)})
 
 
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")

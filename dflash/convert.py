@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import cache as cachelib, fp8
+from dflash import cache as cachelib, fp8, logs
 from dflash.config import ExtractConfig, check_storage
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error
@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 def convert(src: str | Path, out: str | Path, *, storage: str = "fp8", scale_block: int = ExtractConfig.scale_block,
             device: str = "auto", write_threads: int = ExtractConfig.write_threads) -> dict:
     """Convert the committed shards of `src` into the cache at `out` (created, or resumed); returns a summary."""
-    with disk_full_is_an_error(out, lambda: cachelib.committed_note(Path(out))):
+    from dflash.extract import stop_note
+
+    with disk_full_is_an_error(out, lambda: cachelib.committed_note(Path(out))), \
+            logs.where(lambda: stop_note(Path(out))):
         return _convert(src, Path(out), storage, scale_block, device, write_threads)
 
 

@@ -33,7 +33,7 @@ from dflash import checkpoint
 from dflash.config import DrafterConfig, hf_widths
 from dflash.drafter import Drafter
 from dflash.errors import DflashError
-from dflash.files import disk_full_is_an_error, load_tensors, save_tensors
+from dflash.files import disk_full_is_an_error, load_tensors, save_tensors, write_text_atomic
 
 FORMATS = ("zlab", "speculators")
 
@@ -289,8 +289,8 @@ def export(run: str | Path, out: str | Path, fmt: str = "zlab", verifier: str | 
         out.mkdir(parents=True, exist_ok=True)
         save_tensors({k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())},
                      out / "model.safetensors", metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(hf, indent=2))
-        (out / "README.md").write_text(card)
+        write_text_atomic(out / "config.json", json.dumps(hf, indent=2))
+        write_text_atomic(out / "README.md", card)
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import cache as cachelib, fp8
+from dflash import cache as cachelib, fp8, logs
 from dflash.config import ExtractConfig
 from dflash.data import DROP_REASONS, Doc, Dropped, Tokenizer, file_fingerprints, read_rows
 from dflash.dist import Dist, close_dist, init_dist
@@ -54,7 +54,8 @@ def extract(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the cache described by `cfg`; returns a summary of what this rank did."""
     d = init_dist()
     try:
-        with disk_full_is_an_error(cfg.out, lambda: cachelib.committed_note(Path(cfg.out))):
+        with disk_full_is_an_error(cfg.out, lambda: cachelib.committed_note(Path(cfg.out))), \
+                logs.where(lambda: stop_note(Path(cfg.out))):
             return _extract(cfg, d)
     finally:
         close_dist()
@@ -109,6 +110,18 @@ def _extract(cfg: ExtractConfig, d: Dist) -> dict:
         log.info(f"{out}: {done}/{cache.num_shards} shards committed"
                  + (" (complete)" if done == cache.num_shards else ""))
     return stats
+
+
+def stop_note(out: Path) -> str:
+    """Where a stopped extract (or convert) leaves the cache at `out`: the line a stop (Ctrl-C, SIGTERM) prints,
+    once the writes in flight are committed."""
+    manifest = cachelib.read_manifest(out)
+    if manifest is None:
+        return "before the cache was created (nothing is committed); run the same command again: it starts over"
+    total = manifest["num_shards"]
+    done = {int(p.stem) for p in (out / cachelib.COMMITS).glob("*.json") if p.stem.isdigit()}
+    first = next((s for s in range(total) if s not in done), total)
+    return f"at shard {first} of {total} ({len(done)} committed); run the same command again: it resumes"
 
 
 # -- key, plan, creation -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -21,9 +22,36 @@ os.umask(_UMASK)  # read once: os.umask can only be read by setting it
 
 def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
     """safetensors' `save_file`, the file's permissions then following the umask as every other file's do
-    (safetensors creates it 0600: a teammate could not read a shared cache, run or export)."""
-    save_file(tensors, str(path), metadata=metadata)
+    (safetensors creates it 0600: a teammate could not read a shared cache, run or export). The system's
+    refusal (a full disk) is the OSError it is, naming `path`: safetensors reports it as a SafetensorError."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError as e:
+        _raise_named(e, path)
+    except Exception as e:  # SafetensorError("Error while serializing: I/O error: ... (os error 28)")
+        code = _os_errno(e)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from e
     os.chmod(path, 0o666 & ~_UMASK)
+
+
+# how safetensors' Rust side words an I/O error: "(os error 28)" (0.5 on), "Os { code: 28, ... }" (before)
+_OS_ERRNO = re.compile(r"os error (\d+)|Os \{ code: (\d+)")
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """The errno an error from a library written in Rust (safetensors) names in its message, if any."""
+    m = _OS_ERRNO.search(str(e))
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _raise_named(e: OSError, path, *unnamed):
+    """Raise `e` (being handled), as naming `path` if it names no file or one of `unnamed` (a temporary file of
+    ours): a failed write() (ENOSPC) names none."""
+    if e.errno is None or (e.filename is not None and str(e.filename) not in map(str, unnamed)):
+        raise e
+    raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def load_tensors(path, what: str = "") -> dict:
@@ -70,6 +98,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
+    except OSError as e:
+        _raise_named(e, path, tmp)
     finally:
         tmp.unlink(missing_ok=True)  # only left behind when the write failed
 
@@ -101,6 +131,30 @@ def _disk_full(e: BaseException) -> OSError | None:
     return None
 
 
+# zarr writes a file as its name with the suffix replaced by .<uuid hex>.partial, then renames it
+_ZARR_TEMPORARY = re.compile(r"\.[0-9a-f]{32}\.partial$")
+
+
+def _shown(filename) -> str:
+    """The file a write was for: zarr's temporary name for it is shown as the file's own (a chunk's key has
+    no suffix; its metadata is zarr.json)."""
+    name = os.fsdecode(filename)
+    if not _ZARR_TEMPORARY.search(name):
+        return name
+    name = _ZARR_TEMPORARY.sub("", name)
+    return name + ".json" if Path(name).name == "zarr" else name
+
+
+def disk_full_line(e: BaseException) -> str | None:
+    """The one line a full disk met by a writer without its own account (`disk_full_is_an_error`) ends its
+    command with: the file, when known; None when `e` is no full disk."""
+    full = _disk_full(e)
+    if full is None:
+        return None
+    detail = f" (writing {_shown(full.filename)})" if full.filename else ""
+    return f"no space left on the device{detail}; free some space and run the same command again"
+
+
 @contextlib.contextmanager
 def disk_full_is_an_error(path, committed: str | Callable[[], str], then: str = "it resumes"):
     """A full disk inside the block becomes one line (a DflashError) that names `path` and the file being
@@ -114,7 +168,7 @@ def disk_full_is_an_error(path, committed: str | Callable[[], str], then: str = 
         full = _disk_full(e)
         if full is None:
             raise
-        detail = f" (writing {full.filename})" if full.filename else ""
+        detail = f" (writing {_shown(full.filename)})" if full.filename else ""
         done = committed() if callable(committed) else committed
         raise DflashError(f"{path}: no space left on the device{detail}; {done}; free some space and run the "
                           f"same command again: {then}") from None

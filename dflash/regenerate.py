@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash import logs
 from dflash.config import RegenerateConfig
 from dflash.data import Row, chat_prompt_ids, file_fingerprints, read_rows
 from dflash.errors import DflashError
@@ -102,7 +103,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         log.info(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
     tokens, written = 0, done
-    with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar:
+    with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar, \
+            logs.where(lambda: f"with {written} of {len(rows)} rows written; run the same command again: it resumes"):
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(meta, settings)
         with out.open("a", encoding="utf-8") as f:

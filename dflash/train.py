@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import checkpoint, drafter as drafter_module, fp8, objective
+from dflash import checkpoint, drafter as drafter_module, fp8, logs, objective
 from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.compile_cache import StepArtifacts, source_hash
 from dflash.config import TrainConfig, flat_dict, resolve_drafter
@@ -190,14 +190,16 @@ def train(cfg: TrainConfig) -> dict:
     d = init_dist("nccl" if device.type == "cuda" else "gloo")
     try:
         with disk_full_is_an_error(cfg.out, lambda: last_good(Path(cfg.out)), then="it resumes from there"), \
-                (held(Path(cfg.out), "training run") if d.is_main else contextlib.nullcontext()):
+                (held(Path(cfg.out), "training run") if d.is_main else contextlib.nullcontext()), \
+                logs.where(lambda: stop_note(Path(cfg.out), "before training began")):
             s = build(cfg, d, device)
             note_exports(s.dcfg, s.cache.manifest["target"]["num_layers"])
-            start = resume(s)
+            start = s.at = resume(s)
             if start >= s.total:
                 log.info(f"{s.run}: already trained for {start} steps: nothing to do")
                 return {"steps": start, "resumed_at": start}
-            return loop(s, start)
+            with logs.where(lambda: stop_note(s.run, f"after step {s.at} of {s.total}")):
+                return loop(s, start)
     finally:
         close_dist()
 
@@ -220,6 +222,7 @@ class Setup:
     loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked, under autocast on GPU
     compiled: bool
     artifacts: StepArtifacts | None = None  # the compiled step's artifacts (None: not compiled)
+    at: int = 0  # the last step done (what a stop says)
 
 
 def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
@@ -385,7 +388,7 @@ def loop(s: Setup, start: int) -> dict:
         for _, inputs in loader:
             t0 = time.perf_counter()
             out = train_step(s, inputs, lr_at(cfg, step, s.total))
-            step += 1
+            step = s.at = step + 1
             metrics.add(out, step)
             if step == start + 1:
                 metrics.first_step(t0)
@@ -417,6 +420,11 @@ def loop(s: Setup, start: int) -> dict:
             "compile": compile_record.get("compile"),
             "cudagraph_skips": metrics.cudagraph_skips() if s.compiled else 0,
             "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
+
+
+def stop_note(run: Path, at: str) -> str:
+    """Where a stopped run is (`at`) and what it leaves: the line a stop (Ctrl-C, SIGTERM) prints."""
+    return f"{at}; {last_good(run)}; run the same command again: it resumes from there"
 
 
 def last_good(run: Path) -> str:

@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,22 @@ def bf16_bits_to_float(a: np.ndarray) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+def assert_same_cache(a: Path, b: Path) -> None:
+    """Two caches hold the same shards (every array), target weights and target config, all committed: what a
+    resumed extract (or convert) must give beside an uninterrupted one."""
+    from dflash.cache import TARGET_CONFIG_FILE, WEIGHTS_FILE, read_manifest, verify
+
+    assert committed(a) == committed(b) == list(range(read_manifest(a)["num_shards"]))
+    got, want = read_arrays(b), read_arrays(a)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    for name in (WEIGHTS_FILE, TARGET_CONFIG_FILE):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert verify(b) == []
+
+
+def stderr_lines(text: str) -> list[str]:
+    """A command's stderr as a terminal ends up showing it: lines split at newlines and a bar's carriage returns,
+    blank ones dropped."""
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
