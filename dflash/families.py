@@ -70,7 +70,14 @@ def index_scores(indexer, hidden_states, q_resid, position_embeddings, cache=Non
 
 def causal_topk(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     """[B, S, k] int32: per query, the k best allowed keys, the earliest first among equal scores (a
-    stable sort), so a query's choice never depends on how many keys follow it."""
+    stable sort), so a query's choice never depends on how many keys follow it.
+
+    The serving engines define no tie rule to match: vLLM's and SGLang's default indexer top-k kernels
+    (GPU radix selects) hand tied keys their slots in thread-arrival order, and their scores are fp8
+    products, not these fp32 ones. Earliest first is what FlashInfer's opt-in `tie_break=1` ("prefer
+    smaller indices"; SGLang's `--dsa-topk-backend flashinfer` with SGLANG_DSA_TOPK_FLASHINFER_TIE_BREAK=small)
+    selects. Where a query has fewer than k allowed keys the rest of its k are disallowed ones (score
+    -inf), which the attention mask drops; the engines return just the allowed keys there."""
     scores = scores.masked_fill(~allowed, float("-inf"))
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, scores.shape[-1])].to(torch.int32)
 

@@ -179,3 +179,38 @@ def test_fla_kernels_lose_the_shape_sizes_of_their_autotuning_keys(monkeypatch):
     assert tune_fla_once() == 2
     assert l2norm.keys == ["D"] and cumsum.keys == ["H", "BT"]
     assert tune_fla_once() == 0  # already done
+
+
+def test_causal_topk_keeps_the_best_causal_keys_earliest_first_on_ties():
+    """causal_topk on ReLU'd scores with planted exact ties (zeros and a few repeated levels), causal
+    and padded: each query's first min(k, allowed) picks are its allowed keys ranked by score, the
+    earlier key first among equal scores, and the rest are disallowed keys; cutting the sequence after
+    n tokens leaves the picks of the first n queries unchanged (prefix-invariant)."""
+    from dflash.families import causal_topk
+
+    g = torch.Generator().manual_seed(0)
+    B, S, k = 3, 48, 8
+    boundary_ties = 0
+    for _ in range(10):
+        levels = torch.relu(torch.randint(-3, 4, (B, S, S), generator=g).float()) * 0.25  # many exact ties
+        scores = torch.where(torch.rand(B, S, S, generator=g) < 0.3, torch.relu(torch.randn(B, S, S, generator=g)),
+                             levels)
+        pad = torch.rand(B, 1, S, generator=g) < 0.1  # padded keys, never selectable
+        allowed = torch.ones(S, S, dtype=torch.bool).tril() & ~pad
+        picks = causal_topk(scores, allowed, k)
+        assert picks.shape == (B, S, k) and picks.dtype == torch.int32
+        n = S * 2 // 3
+        cut = causal_topk(scores[:, :n, :n], allowed[:, :n, :n], k)
+        for b in range(B):
+            for q in range(S):
+                keys = [j for j in range(S) if allowed[b, q, j]]
+                ranked = sorted(keys, key=lambda j: (-scores[b, q, j].item(), j))  # the rule, written out
+                m = min(k, len(keys))
+                got = picks[b, q].tolist()
+                assert got[:m] == ranked[:m], (b, q)
+                assert not any(allowed[b, q, j] for j in got[m:]), (b, q)
+                if q < n:
+                    assert cut[b, q, :m].tolist() == ranked[:m], (b, q)
+                if len(keys) > k and scores[b, q, ranked[k - 1]] == scores[b, q, ranked[k]]:
+                    boundary_ties += 1
+    assert boundary_ties > 100  # the tie rule decided the selection in many rows
