@@ -118,6 +118,7 @@ def test_recompute_proves_a_gpu_cache_and_catches_another_target(tmp_path, small
     document (on the GPU, and in fp32 on the CPU within the default tolerance); a copy of the target with one
     layer changed is caught from that layer on."""
     import torch
+
     from test_recompute import target_copy
 
     out = tmp_path / "c"
