@@ -8,6 +8,7 @@ import sys
 import click
 
 from dflash.config import ExtractConfig, RecomputeConfig
+from dflash.errors import DflashError
 from dflash_cli.main import user_errors
 from dflash_cli.options import field_option
 
@@ -45,7 +46,9 @@ def info(path, as_json):
         f"{m['target']['num_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']})",
         f"layers       {m['layer_ids']}" + (f": {m['layer_convention']}" if m.get("layer_convention") else ""),
         f"shards       {i['shards']['committed']}/{i['shards']['total']} committed"
-        + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}",
+        + ("  (complete)" if i["complete"] else "") + f"; T = {m['token_budget']}, D = {m['max_docs']}"
+        + (f"; {i['shards']['damaged_records']} damaged commit record(s): run `dflash cache verify`"
+           if i["shards"]["damaged_records"] else ""),
         f"rows         {i['rows']['total']} read, {i['rows']['planned']} planned, "
         f"{i['rows']['in_committed_shards']} in committed shards; {i['rows']['truncated']} truncated; "
         f"dropped: {dropped}",
@@ -92,7 +95,7 @@ def verify(path, as_json, **options):
 
     cfg = RecomputeConfig(**options)
     bad = cache_verify(path, progress=lambda it: tqdm(it, desc="verify", unit="shard", leave=False))
-    problems = [f"{'shard ' + str(shard) if shard >= 0 else 'weights'}: {problem}" for shard, problem in bad]
+    problems = [f"shard {shard}: {problem}" if shard >= 0 else problem for shard, problem in bad]
     result = {"path": path, "checksums": [{"shard": s, "problem": p} for s, p in bad]}
     if cfg.recompute and not bad:  # states are only compared once the bytes are known to be the written ones
         r = recompute(path, cfg, progress=lambda it: tqdm(it, desc="recompute", unit="doc", leave=False))
@@ -131,7 +134,11 @@ def ls(root):
 
     rows = []
     for p in find_caches(root):
-        i = cache_info(p)
+        try:
+            i = cache_info(p)
+        except DflashError as e:  # one damaged cache does not hide the others
+            rows.append((str(p), f"(unreadable: {str(e).removeprefix(str(p) + ': ')})", *[""] * 6))
+            continue
         m = i["manifest"]
         rows.append((str(p), m["target"]["name"] or m["target"]["path"], ",".join(map(str, m["layer_ids"])),
                      str(m["token_budget"]), f"{i['shards']['committed']}/{i['shards']['total']}",

@@ -12,9 +12,12 @@ Layout of a cache folder:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +29,8 @@ import zarr.storage
 
 from dflash.errors import DflashError
 from dflash.files import load_tensors, save_tensors, sha256_file, write_json_atomic, write_text_atomic
+from dflash.manifest import FORMAT_VERSION, FP8_FORMAT_VERSION, STORAGE_DTYPES, Manifest
 
-FORMAT_VERSION = 1  # bf16 storage
-FP8_FORMAT_VERSION = 2  # fp8 storage (+ `hidden_scale`): a format-1 reader refuses it instead of misreading it
-SUPPORTED_FORMATS = (FORMAT_VERSION, FP8_FORMAT_VERSION)
-# --storage name -> the manifest's storage_dtype
-STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 MANIFEST_ATTR = "dflash"
 COMMITS = "commits"
 WEIGHTS_FILE = "target_weights.safetensors"
@@ -49,6 +48,37 @@ KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokeniz
               "storage_dtype", "packer")
 # Key fields of fp8 caches only: hashed when present, so that bf16 caches keep their keys.
 OPTIONAL_KEY_FIELDS = ("scale_block",)
+
+
+STAT_KEYS = ("sum_squares", "abs_max", "zeros", "nonfinite", "values")  # a record's statistics of one layer
+log = logging.getLogger(__name__)
+_RECORD_NAME = re.compile(r"[0-9]{8}")  # commits/00000042.json; ASCII digits only
+
+
+def _record_problem(record: dict, shard: int, num_layers: int, layer_arrays, token_budget: int) -> str | None:
+    """What makes a commit record unable to prove its shard, or None."""
+    if record.get("shard") != shard:
+        return f"it is shard {record.get('shard')!r}'s"
+    for field in ("docs", "tokens", "loss_tokens"):
+        value = record.get(field)
+        if type(value) is not int or not 0 <= value <= token_budget:
+            return f"{field} {value!r}"
+    sums = record.get("crc32c")
+    if not isinstance(sums, dict):
+        return "no checksums"
+    for name in layer_arrays:
+        layer_sums = sums.get(name)
+        if not (isinstance(layer_sums, list) and len(layer_sums) == num_layers
+                and all(type(x) is int for x in layer_sums)):
+            return f"checksums of {name} missing or not one per layer"
+    for name in (*SHARD_ARRAYS, *PLAN_ARRAYS):
+        if type(sums.get(name)) is not int:
+            return f"checksum of {name} missing"
+    stats = record.get("state_stats", {})
+    numbers = lambda v: isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) for k in STAT_KEYS)  # noqa: E731
+    if not (isinstance(stats, dict) and all(numbers(v) for v in stats.values())):
+        return "state_stats damaged"
+    return None
 
 
 class CorruptShardError(DflashError):
@@ -113,11 +143,11 @@ def _bytes_codecs(compressor: str):
 
 def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_reasons: np.ndarray,
                  truncated: np.ndarray, weights: dict, target_config: dict, compressor: str = "none") -> None:
-    """Create the group, its arrays and the plan; the manifest goes in last, so a folder without one is
-    an interrupted creation that the next run starts over."""
-
+    """Create the group, its arrays and the plan; the manifest (checked as a reader will check it) goes in
+    last, so a folder without one is an interrupted creation that the next run starts over."""
+    m = Manifest.parse({**manifest, "weights_sha256": ""}, str(path))  # its hash once the file is written
     S, D = plan.row_ids.shape
-    T, L, H = manifest["token_budget"], len(manifest["layer_ids"]), manifest["hidden_size"]
+    T, L, H = m.token_budget, len(m.layer_ids), m.hidden_size
     group = zarr.open_group(path, mode="w")
     conf = {"write_empty_chunks": True}  # a missing chunk is then always damage, never "all fill"
 
@@ -125,15 +155,15 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
         return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
                                   compressors=codecs or _bytes_codecs("none"), config=conf)
 
-    if manifest["storage_dtype"] == STORAGE_DTYPES["fp8"]:
-        G = num_scale_groups(manifest)
+    if m.fp8:
+        G = m.num_scale_groups
         array("hidden", (S, T, L, H), (1, T, 1, H), "uint8", 0, _bytes_codecs(compressor))  # e4m3 bits
         array("hidden_scale", (S, T, L, G), (1, T, 1, G), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
     else:
         array("hidden", (S, T, L, H), (1, T, 1, H), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
-    array("input_ids", (S, T), (1, T), "int32", manifest["pad_id"])
+    array("input_ids", (S, T), (1, T), "int32", m.pad_id)
     array("loss_mask", (S, T), (1, T), "uint8", 0)
-    array("target_ids", (S, T), (1, T), "int32", manifest["pad_id"])
+    array("target_ids", (S, T), (1, T), "int32", m.pad_id)
     array("doc_lens", (S, D), (1, D), "int32", 0)[:] = plan.doc_lens
     array("row_ids", (S, D), (1, D), "int64", -1)[:] = plan.row_ids
     for name, values, dtype in (("dropped_row_ids", dropped, "int64"), ("dropped_reasons", dropped_reasons, "uint8"),
@@ -142,21 +172,10 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
         if len(values):
             a[:] = values
     save_tensors({k: v.contiguous() for k, v in weights.items()}, path / WEIGHTS_FILE,
-                 metadata={"cache_key": manifest["cache_key"]})
+                 metadata={"cache_key": m.cache_key})
     write_text_atomic(path / TARGET_CONFIG_FILE, json.dumps(target_config, indent=2, sort_keys=True))
     (path / COMMITS).mkdir(exist_ok=True)
-    manifest = dict(manifest, weights_sha256=sha256_file(path / WEIGHTS_FILE))
-    group.attrs[MANIFEST_ATTR] = manifest
-
-
-def num_groups(hidden_size: int, block: int) -> int:
-    """G: scales per state row of fp8 storage with `block` channels per scale."""
-    return -(-hidden_size // block)
-
-
-def num_scale_groups(manifest: dict) -> int:
-    """G of an fp8 cache."""
-    return num_groups(manifest["hidden_size"], manifest["scale_block"])
+    group.attrs[MANIFEST_ATTR] = dataclasses.replace(m, weights_sha256=sha256_file(path / WEIGHTS_FILE)).to_dict()
 
 
 def committed_note(path: Path) -> str:
@@ -165,7 +184,7 @@ def committed_note(path: Path) -> str:
     if manifest is None:
         return "no shard is committed yet"
     done = len([p for p in (Path(path) / COMMITS).glob("*.json")])
-    return f"{done} of {manifest['num_shards']} shards are committed and intact"
+    return f"{done} of {manifest.get('num_shards', '?')} shards are committed and intact"
 
 
 def check_writable(out: Path) -> None:
@@ -199,40 +218,60 @@ class Cache:
 
     def __init__(self, path: str | Path, layers: list[int] | None = None, mode: str = "r"):
         self.path = Path(path)
-        manifest = read_manifest(self.path)
-        if manifest is None:
+        raw = read_manifest(self.path)
+        if raw is None:
             raise DflashError(f"{path}: not a dflash cache (no manifest in {self.path / 'zarr.json'})")
-        if manifest.get("format_version") not in SUPPORTED_FORMATS:
-            raise DflashError(f"{path}: cache format {manifest.get('format_version')} is not supported "
-                              f"(this dflash reads formats {', '.join(map(str, SUPPORTED_FORMATS))})")
-        if manifest.get("storage_dtype") not in STORAGE_DTYPES.values():
-            raise DflashError(f"{path}: unknown storage_dtype {manifest.get('storage_dtype')!r} in the manifest")
-        self.manifest = manifest
-        self.fp8 = manifest["storage_dtype"] == STORAGE_DTYPES["fp8"]
+        self.manifest = m = Manifest.parse(raw, str(path))
+        self.fp8 = m.fp8
         # arrays with one chunk per layer per shard: the states, and with fp8 storage their scales
         self.layer_arrays = ("hidden", "hidden_scale") if self.fp8 else ("hidden",)
-        self.group = zarr.open_group(self.path, mode=mode)
-        self.arrays = {name: self.group[name] for name in (*self.layer_arrays, *SHARD_ARRAYS, *PLAN_ARRAYS)}
-        cached = manifest["layer_ids"]
+        self.arrays = self._open_arrays(mode)
+        cached = m.layer_ids
         self.layer_ids = list(cached if layers is None else layers)
         missing = [i for i in self.layer_ids if i not in cached]
         if missing:
             raise DflashError(f"{path}: layers {missing} are not in the cache (it holds layers {cached})")
         self.layer_slots = [cached.index(i) for i in self.layer_ids]  # positions along the L axis
 
+    def _open_arrays(self, mode: str) -> dict:
+        """The shard and plan arrays, each checked against the manifest's shapes and the format's dtypes."""
+        m = self.manifest
+        S, T, L, H, D = m.num_shards, m.token_budget, len(m.layer_ids), m.hidden_size, m.max_docs
+        expected = {"hidden": ((S, T, L, H), (1, T, 1, H), "uint8" if self.fp8 else "uint16"),
+                    "input_ids": ((S, T), (1, T), "int32"), "loss_mask": ((S, T), (1, T), "uint8"),
+                    "target_ids": ((S, T), (1, T), "int32"), "doc_lens": ((S, D), (1, D), "int32"),
+                    "row_ids": ((S, D), (1, D), "int64")}
+        if self.fp8:
+            G = m.num_scale_groups
+            expected["hidden_scale"] = ((S, T, L, G), (1, T, 1, G), "uint16")
+        try:
+            self.group = zarr.open_group(self.path, mode=mode)
+            arrays = {name: self.group[name] for name in expected}
+        except KeyError as e:
+            raise DflashError(f"{self.path}: array {e.args[0]} is missing") from None
+        except Exception as e:  # zarr refusing its metadata: unknown codecs, bad chunk keys, damaged JSON
+            raise DflashError(f"{self.path}: unreadable zarr metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        for name, (shape, chunks, dtype) in expected.items():
+            a = arrays[name]
+            if (tuple(a.shape), tuple(a.chunks), str(a.dtype)) != (shape, chunks, dtype):
+                raise DflashError(f"{self.path}: array {name} is {str(a.dtype)} {tuple(a.shape)} in chunks of "
+                                  f"{tuple(a.chunks)}; the manifest makes it {dtype} {shape} in chunks of {chunks}")
+        return arrays
+
     @property
     def scale_block(self) -> int | None:
         """Channels per fp8 scale (None: bf16 storage)."""
-        return self.manifest["scale_block"] if self.fp8 else None
+        return self.manifest.scale_block
 
     def layer_buffers(self) -> dict[str, np.ndarray]:
         """Empty [L', T, ...] buffers for `read_shard_into`: one contiguous block per chunk."""
         m = self.manifest
-        L, T = len(self.layer_slots), m["token_budget"]
+        L, T = len(self.layer_slots), m.token_budget
         if not self.fp8:
-            return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint16)}
-        return {"hidden": np.empty((L, T, m["hidden_size"]), np.uint8),
-                "hidden_scale": np.empty((L, T, num_scale_groups(m)), np.uint16)}
+            return {"hidden": np.empty((L, T, m.hidden_size), np.uint16)}
+        return {"hidden": np.empty((L, T, m.hidden_size), np.uint8),
+                "hidden_scale": np.empty((L, T, m.num_scale_groups), np.uint16)}
 
     def states(self, shard: Shard, device, dtype):
         """The shard's states as a [T, L', H] tensor of `dtype` on `device` (fp8: dequantised there)."""
@@ -247,29 +286,61 @@ class Cache:
 
     @property
     def num_shards(self) -> int:
-        return self.manifest["num_shards"]
+        return self.manifest.num_shards
 
     @property
     def token_budget(self) -> int:
-        return self.manifest["token_budget"]
+        return self.manifest.token_budget
 
     def _record_path(self, shard: int) -> Path:
         return self.path / COMMITS / f"{shard:08d}.json"
 
     def commit_record(self, shard: int) -> dict | None:
+        """The shard's commit record; None if it has none (or one of another cache). A damaged record is not
+        a commit either: `damaged()` names it."""
+        record, _ = self._record(shard)
+        return record
+
+    def _record(self, shard: int) -> tuple[dict | None, str | None]:
+        """(the valid record or None, what is wrong with the record if it is damaged)."""
         try:
             record = json.loads(self._record_path(shard).read_text())
-        except (OSError, ValueError):
-            return None  # absent, or torn by a crash while written: not committed
-        return record if record.get("cache_key") == self.manifest["cache_key"] else None
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError) as e:
+            return None, f"commit record unreadable ({type(e).__name__})"
+        if not isinstance(record, dict) or record.get("cache_key") != self.manifest.cache_key:
+            return None, None  # another cache's (extract writes this shard anew)
+        problem = _record_problem(record, shard, len(self.manifest.layer_ids), self.layer_arrays, self.token_budget)
+        return (None, f"commit record damaged: {problem}") if problem else (record, None)
+
+    def _record_files(self) -> dict[int, Path]:
+        return {int(p.stem): p for p in (self.path / COMMITS).glob("*.json")
+                if _RECORD_NAME.fullmatch(p.stem) and int(p.stem) < self.num_shards}
 
     def committed(self) -> list[int]:
-        """Shards with a commit record, read afresh (extract may still be adding some)."""
-        found = []
-        for p in (self.path / COMMITS).glob("*.json"):
-            if p.stem.isdigit() and int(p.stem) < self.num_shards and self.commit_record(int(p.stem)) is not None:
-                found.append(int(p.stem))
-        return sorted(found)
+        """Shards with a valid commit record, read afresh (extract may still be adding some)."""
+        return sorted(s for s in self._record_files() if self.commit_record(s) is not None)
+
+    def warn_damaged(self) -> None:
+        """Say (once, where a command opens the cache) that some shards' commit records cannot prove them, so
+        those shards are left out as if not committed."""
+        bad = self.damaged()
+        if bad:
+            named = ", ".join(f"shard {s}" if s >= 0 else "a stray record" for s, _ in bad[:5])
+            log.warning(f"{self.path}: {len(bad)} commit record(s) damaged ({named}{', ...' if len(bad) > 5 else ''}): "
+                        f"those shards are left out; `dflash cache verify {self.path}` names the damage, the "
+                        f"extract command run again rewrites them")
+
+    def damaged(self) -> list[tuple[int, str]]:
+        """(shard, what is wrong) for every commit record that cannot prove its shard (the shard counts as not
+        committed: extract writes it again), and (-1, ...) for a record of no shard of this cache."""
+        out = [(s, problem) for s in sorted(self._record_files()) for problem in [self._record(s)[1]] if problem]
+        for p in sorted((self.path / COMMITS).glob("*.json")):
+            if not (_RECORD_NAME.fullmatch(p.stem) and int(p.stem) < self.num_shards):
+                out.append((-1, f"{COMMITS}/{p.name}: a commit record of no shard of this cache "
+                                f"({self.num_shards} shards)"))
+        return out
 
     def plan(self) -> tuple[np.ndarray, np.ndarray]:
         """(row_ids [S, D], doc_lens [S, D]) of every shard, committed or not."""
@@ -282,9 +353,9 @@ class Cache:
             raise DflashError(f"{self.path / WEIGHTS_FILE}: lacks embed_tokens.weight or lm_head.weight")
         embed, head = w["embed_tokens.weight"], w["lm_head.weight"]
         m = self.manifest
-        if embed.shape != (m["vocab_size"], m["hidden_size"]) or head.shape != embed.shape:
+        if embed.shape != (m.vocab_size, m.hidden_size) or head.shape != embed.shape:
             raise DflashError(f"{self.path / WEIGHTS_FILE}: embeddings {tuple(embed.shape)} / head {tuple(head.shape)} "
-                              f"do not match the manifest (vocab {m['vocab_size']}, hidden {m['hidden_size']})")
+                              f"do not match the manifest (vocab {m.vocab_size}, hidden {m.hidden_size})")
         return embed.to(device, dtype), head.to(device, dtype)
 
     # -- writing (extract) --------------------------------------------------------------------------
@@ -310,7 +381,7 @@ class Cache:
             crcs[name], i = sums[i : i + len(hidden)], i + len(hidden)
         crcs.update(zip(SHARD_ARRAYS, sums[i:]))
         row_ids, doc_lens = self.arrays["row_ids"][shard], self.arrays["doc_lens"][shard]
-        record = {"shard": shard, "cache_key": self.manifest["cache_key"], "docs": int((row_ids >= 0).sum()),
+        record = {"shard": shard, "cache_key": self.manifest.cache_key, "docs": int((row_ids >= 0).sum()),
                   "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()),
                   "crc32c": {**crcs, "row_ids": checksum(row_ids), "doc_lens": checksum(doc_lens)}}
         if state_stats is not None:
@@ -352,7 +423,7 @@ class Cache:
     def read_shard(self, shard: int, verify: bool = True) -> Shard:
         """One committed shard, reading only the chunks of the opened layers. With `verify`, the bytes
         are checked against the commit record, which also catches a chunk deleted from disk."""
-        T, D = self.token_budget, self.manifest["max_docs"]
+        T, D = self.token_budget, self.manifest.max_docs
         layered = self.layer_buffers()
         out = {name: np.empty(T if name in SHARD_ARRAYS else D, self.arrays[name].dtype)
                for name in (*SHARD_ARRAYS, *PLAN_ARRAYS)}
@@ -367,7 +438,9 @@ class Cache:
         (uint16 bf16 bits, or uint8 e4m3 bits with hidden_scale [L', T, G]), layer-major, so each chunk
         lands in one contiguous block; `arrays` holds any of input_ids, loss_mask, target_ids, doc_lens,
         row_ids."""
-        record = self.commit_record(shard)
+        record, problem = self._record(shard)
+        if problem:
+            raise CorruptShardError(self.path, shard, problem)
         if record is None:
             raise DflashError(f"{self.path}: shard {shard} is not committed")
         if (hidden_scale is not None) != self.fp8:
@@ -376,13 +449,33 @@ class Cache:
         layered = {"hidden": hidden, "hidden_scale": hidden_scale}
         for name in self.layer_arrays:
             for j, slot in enumerate(self.layer_slots):
-                what = f"{name} layer {self.manifest['layer_ids'][slot]}"
+                what = f"{name} layer {self.manifest.layer_ids[slot]}"
                 crc = self._read_chunk_into(shard, name, (shard, 0, slot, 0), layered[name][j], what)
                 if verify and crc != sums[name][slot]:
                     raise CorruptShardError(self.path, shard, f"{what}: checksum mismatch")
         for name, buf in arrays.items():
-            if verify and self._read_chunk_into(shard, name, (shard, 0), buf, name) != sums[name]:
+            crc = self._read_chunk_into(shard, name, (shard, 0), buf, name)
+            if verify and crc != sums[name]:
                 raise CorruptShardError(self.path, shard, f"{name}: checksum mismatch")
+        problem = self._value_problem(arrays, record)
+        if problem:
+            raise CorruptShardError(self.path, shard, problem)
+
+    def _value_problem(self, arrays: dict[str, np.ndarray], record: dict) -> str | None:
+        """What no cache extract writes holds (whatever the checksums say): token ids outside the vocabulary,
+        negative document lengths or more tokens than the shard has, row ids below -1."""
+        m = self.manifest
+        for name in ("input_ids", "target_ids"):
+            ids = arrays.get(name)
+            if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= m.vocab_size):
+                return f"{name} outside the vocabulary [0, {m.vocab_size})"
+        lens = arrays.get("doc_lens")
+        if lens is not None and (lens.min() < 0 or lens.sum() != record["tokens"]):
+            return f"doc_lens negative or not summing to the {record['tokens']} tokens of its commit record"
+        rows = arrays.get("row_ids")
+        if rows is not None and rows.min() < -1:
+            return "row_ids below -1"
+        return None
 
     def _read_chunk_into(self, shard: int, name: str, coords: tuple, out: np.ndarray, what: str) -> int:
         """Read one whole chunk into `out` (contiguous, the chunk's size) and return the crc32c of its
@@ -426,7 +519,7 @@ def info(path: str | Path) -> dict:
     cache = Cache(path)
     m = cache.manifest
     records = [cache.commit_record(s) for s in cache.committed()]
-    S, T = m["num_shards"], m["token_budget"]
+    S, T = m.num_shards, m.token_budget
     done_tokens = sum(r["tokens"] for r in records)
     sizes = disk_bytes_by_entry(cache.path)
     size = sum(sizes.values())
@@ -434,21 +527,21 @@ def info(path: str | Path) -> dict:
     states = sum(sizes.get(name, 0) for name in cache.layer_arrays)
     return {
         "path": str(cache.path),
-        "cache_key": m["cache_key"],
+        "cache_key": m.cache_key,
         "complete": len(records) == S,
-        "shards": {"committed": len(records), "total": S},
-        "rows": {"total": m["stats"]["rows"], "planned": m["stats"]["docs"],
+        "shards": {"committed": len(records), "total": S, "damaged_records": len(cache.damaged())},
+        "rows": {"total": m.stats.rows, "planned": m.stats.docs,
                  "in_committed_shards": sum(r["docs"] for r in records),
-                 "truncated": m["stats"]["truncated"], "dropped": m["stats"]["dropped"]},
-        "tokens": {"planned": m["stats"]["tokens"], "committed": done_tokens, "loss": m["stats"]["loss_tokens"]},
-        "fill_ratio": m["stats"]["tokens"] / (S * T),
+                 "truncated": m.stats.truncated, "dropped": m.stats.dropped},
+        "tokens": {"planned": m.stats.tokens, "committed": done_tokens, "loss": m.stats.loss_tokens},
+        "fill_ratio": m.stats.tokens / (S * T),
         "bytes_on_disk": size,
         "bytes_per_token": size / done_tokens if done_tokens else None,
         "shard_bytes_per_token": (size - side) / done_tokens if done_tokens else None,  # without the weights
         "state_bytes_per_token": states / done_tokens if done_tokens else None,  # hidden (+ hidden_scale) only
-        "storage": {"dtype": m["storage_dtype"], "scale_block": m.get("scale_block")},
-        "states": state_summary(records, m["layer_ids"]),
-        "manifest": m,
+        "storage": {"dtype": m.storage_dtype, "scale_block": m.scale_block},
+        "states": state_summary(records, m.layer_ids),
+        "manifest": m.to_dict(),
     }
 
 
@@ -468,12 +561,16 @@ def state_summary(records: list[dict], layer_ids: list[int]) -> dict:
 
 
 def verify(path: str | Path, progress=None) -> list[tuple[int, str]]:
-    """(shard, problem) for every committed shard that fails its checksums, and for a damaged weights
-    file (shard -1). Uncommitted shards are not errors: extract has not finished them."""
+    """(shard, problem) for every committed shard that fails its checksums or values, every damaged commit
+    record, and (-1, problem) for the weights file or a stray record. Shards without a record are not errors:
+    extract has not finished them."""
     cache = Cache(path)
-    bad = []
-    if sha256_file(cache.path / WEIGHTS_FILE) != cache.manifest["weights_sha256"]:
-        bad.append((-1, f"{WEIGHTS_FILE}: checksum mismatch"))
+    try:
+        bad = [] if sha256_file(cache.path / WEIGHTS_FILE) == cache.manifest.weights_sha256 else \
+            [(-1, f"{WEIGHTS_FILE}: checksum mismatch")]
+    except OSError as e:
+        bad = [(-1, f"{WEIGHTS_FILE}: unreadable ({e.strerror or type(e).__name__})")]
+    bad += cache.damaged()
     shards = cache.committed()
     for s in progress(shards) if progress else shards:
         try:

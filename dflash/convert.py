@@ -45,7 +45,7 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
         raise DflashError(f"--storage {storage}: only fp8 is a conversion target")
     src_cache = cachelib.Cache(src)
     if src_cache.fp8:
-        raise DflashError(f"{src}: already an fp8 cache (storage {src_cache.manifest['storage_dtype']})")
+        raise DflashError(f"{src}: already an fp8 cache (storage {src_cache.manifest.storage_dtype})")
     if out.exists() and out.resolve() == src_cache.path.resolve():
         raise DflashError(f"--out {out}: is the source cache; convert writes a new one")
     cachelib.check_writable(out)
@@ -53,7 +53,7 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
     existing = cachelib.read_manifest(out)
     if existing is None:
         _create(out, src_cache, manifest)
-        log.info(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest['cache_key']})")
+        log.info(f"created {out} (key {manifest['cache_key']}) from {src} (key {src_cache.manifest.cache_key})")
     else:
         cachelib.check_same_key(out, existing, manifest)
     dst = cachelib.Cache(out, mode="r+")
@@ -76,12 +76,12 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
 
 def converted_manifest(src: cachelib.Cache, storage: str, scale_block: int) -> dict:
     """The source's manifest with the new storage, hence a new key."""
-    m = {k: v for k, v in src.manifest.items() if k not in ("cache_key", "weights_sha256", "scale_block")}
+    m = {k: v for k, v in src.manifest.to_dict().items() if k not in ("cache_key", "weights_sha256", "scale_block")}
     m.update(cachelib.storage_fields(storage, scale_block, m["hidden_size"]))
     m["cache_key"] = cachelib.cache_key(m)
     m["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     m["dflash_version"] = dflash.__version__
-    m["converted_from"] = {"path": str(src.path.resolve()), "cache_key": src.manifest["cache_key"]}
+    m["converted_from"] = {"path": str(src.path.resolve()), "cache_key": src.manifest.cache_key}
     return m
 
 

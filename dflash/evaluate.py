@@ -134,11 +134,12 @@ def evaluate(drafter_path: str, cache_path: str, shards: list[int] | None = None
     dev = resolve_device(device)
     probe = Cache(cache_path)
     embed, head = probe.target_weights(dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
-    drafter, info = load_drafter(drafter_path, embed, head, probe.manifest["layer_ids"], dev)
+    drafter, info = load_drafter(drafter_path, embed, head, probe.manifest.layer_ids, dev)
     cache = Cache(cache_path, layers=drafter.cfg.target_layer_ids)
+    cache.warn_damaged()
     committed = set(cache.committed())
     if shards is None:
-        same_cache = info["cache_key"] == cache.manifest["cache_key"]
+        same_cache = info["cache_key"] == cache.manifest.cache_key
         shards = [s for s in info["holdout_shards"] if s in committed] if same_cache else []
         if not shards:
             shards = sorted(committed)

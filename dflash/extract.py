@@ -95,7 +95,7 @@ def _extract(cfg: ExtractConfig, d: Dist) -> dict:
     windows = _my_windows(cache.num_shards, committed, cfg.window, d)
     if not windows:  # this rank's shards are all committed (other ranks may still have work)
         if len(committed) == cache.num_shards:
-            log.info(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest['cache_key']}): "
+            log.info(f"{out}: cache complete ({cache.num_shards} shards, key {cache.manifest.cache_key}): "
                      f"nothing to do")
         d.barrier()
         return {"shards_written": 0, "complete": len(committed) == cache.num_shards}
@@ -314,11 +314,11 @@ def check_states(stats: np.ndarray, cache: cachelib.Cache, shard: int, nonfinite
     m = cache.manifest
     tokens = int(cache.arrays["doc_lens"][shard].sum())
     out = {}
-    for (sum_sq, abs_max, zeros, bad), layer in zip(stats.tolist(), m["layer_ids"]):
-        values = tokens * m["hidden_size"]
+    for (sum_sq, abs_max, zeros, bad), layer in zip(stats.tolist(), m.layer_ids):
+        values = tokens * m.hidden_size
         if bad:
             message = (f"layer {layer}'s states in shard {shard} hold {int(bad)} non-finite values (the target "
-                       f"overflowed in {m['compute_dtype']}?)")
+                       f"overflowed in {m.compute_dtype}?)")
             if nonfinite == "fail":
                 raise DflashError(f"{message}: nothing of the shard was committed; --dtype fp32 may avoid it, "
                                   f"--nonfinite warn keeps them")
@@ -450,8 +450,8 @@ class _Writer(threading.Thread):
 def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target: Target, windows, docs, device,
          d: Dist) -> dict:
     m = cache.manifest
-    T, L, H, W = m["token_budget"], len(m["layer_ids"]), m["hidden_size"], cfg.window
-    pad = m["pad_id"]
+    T, L, H, W = m.token_budget, len(m.layer_ids), m.hidden_size, cfg.window
+    pad = m.pad_id
     row_ids, doc_lens = cache.plan()
     todo = [s for w in windows for s in w if s not in committed]
     bar = tqdm(total=int(doc_lens[todo].sum()), unit="tok", unit_scale=True, desc=f"extract {Path(cfg.out).name}",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash.cache import num_groups
+from dflash.manifest import num_groups
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_DTYPE = torch.bfloat16  # exact for the quantiser, which divides by the rounded scale

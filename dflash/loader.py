@@ -72,7 +72,7 @@ class ShardLoader:
     def __init__(self, cache: Cache, schedule, device: torch.device, prefetch: int = 3, follow: bool = False,
                  on_corrupt: str = "fail", poll_s: float = 2.0):
         m = cache.manifest
-        T, D, H, L = m["token_budget"], m["max_docs"], m["hidden_size"], len(cache.layer_ids)
+        T, D, H, L = m.token_budget, m.max_docs, m.hidden_size, len(cache.layer_ids)
         self.cache, self.device, self.follow, self.on_corrupt = cache, device, follow, on_corrupt
         self.poll_s = poll_s
         self.cuda = device.type == "cuda"

@@ -80,24 +80,24 @@ def _load(cfg: RecomputeConfig, cache: Cache):
     from transformers import AutoConfig
 
     m = cache.manifest
-    name = cfg.target or m["target"].get("path") or m["target"].get("name")
+    name = cfg.target or m.target.path
     if not cfg.target and not Path(name).is_dir():
-        name = m["target"].get("name") or name  # the recorded folder is gone: its hub id, if any
+        name = m.target.name or name  # the recorded folder is gone: its hub id, if any
     path = resolve_target(name, cfg.trust_remote_code)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     tconf = text_config(config)
-    if tconf.hidden_size != m["hidden_size"]:
+    if tconf.hidden_size != m.hidden_size:
         raise DflashError(f"--target {path}: hidden size {tconf.hidden_size}, the cache's states have "
-                          f"{m['hidden_size']}: not the target of this cache")
-    beyond = [i for i in m["layer_ids"] if i >= tconf.num_hidden_layers]
+                          f"{m.hidden_size}: not the target of this cache")
+    beyond = [i for i in m.layer_ids if i >= tconf.num_hidden_layers]
     if beyond:
         raise DflashError(f"--target {path}: {tconf.num_hidden_layers} layers, the cache holds layers {beyond}")
-    if config_hash(config) != m["target_config_hash"]:
+    if config_hash(config) != m.target_config_hash:
         log.warning(f"--target {path}: its config differs from the one the cache was extracted with")
-    elif weights_fingerprint(path) != m["target_weights"]:
+    elif weights_fingerprint(path) != m.target_weights:
         log.warning(f"--target {path}: its weight files differ from those the cache was extracted with")
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(_DTYPES.get(m["compute_dtype"], "auto") if cfg.dtype == "auto" else cfg.dtype, device)
+    dtype = resolve_dtype(_DTYPES[m.compute_dtype] if cfg.dtype == "auto" else cfg.dtype, device)
     model, _ = load_target(path, device, dtype, cfg.trust_remote_code, device_map=cfg.device_map,
                            experts_implementation=cfg.experts_implementation)
     return model, path, dtype
@@ -126,7 +126,7 @@ def recompute(path: str | Path, cfg: RecomputeConfig, progress=None) -> dict:
     pre_norm = _PreNormHook(model, num_layers)
     scale_block = cache.scale_block
     documents, mismatches = [], []
-    worst = {str(i): 0.0 for i in m["layer_ids"]}
+    worst = {str(i): 0.0 for i in m.layer_ids}
     by_shard: dict[int, list[int]] = {}
     for s, j in picked:
         by_shard.setdefault(s, []).append(j)
@@ -144,7 +144,7 @@ def recompute(path: str | Path, cfg: RecomputeConfig, progress=None) -> dict:
         doc = {"shard": s, "document": j, "row": int(shard.row_ids[j]), "tokens": n,
                "target_ids_agree": float((greedy == shard.target_ids[start : start + n]).mean()),
                "errors": {}}
-        for slot, layer in enumerate(m["layer_ids"]):
+        for slot, layer in enumerate(m.layer_ids):
             err = relative_error(cached[:, slot], as_stored(raw[str(layer)], scale_block))
             doc["errors"][str(layer)] = err
             worst[str(layer)] = max(worst[str(layer)], err)

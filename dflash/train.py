@@ -16,6 +16,7 @@ the first step and kept after it (`dflash.compile_cache`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ def drafter_config(cfg: TrainConfig, cache: Cache) -> DrafterConfig:
     are the target's."""
     m = cache.manifest
     target = json.loads((cache.path / TARGET_CONFIG_FILE).read_text())
-    return resolve_drafter(cfg.drafter, target, hidden_size=m["hidden_size"], vocab_size=m["vocab_size"],
+    return resolve_drafter(cfg.drafter, target, hidden_size=m.hidden_size, vocab_size=m.vocab_size,
                            target_layer_ids=cache.layer_ids)
 
 
@@ -112,8 +113,8 @@ def run_config(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, train_shards
                holdout: list[int]) -> dict:
     return {"dflash_version": dflash.__version__, "train": flat_dict(cfg), "drafter": dcfg.to_dict(),
             "train_shards": train_shards,
-            "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest["cache_key"],
-                      "layer_ids": cache.manifest["layer_ids"], "target": cache.manifest["target"]},
+            "cache": {"path": str(cache.path.resolve()), "cache_key": cache.manifest.cache_key,
+                      "layer_ids": cache.manifest.layer_ids, "target": dataclasses.asdict(cache.manifest.target)},
             "holdout_shards": holdout}
 
 
@@ -193,7 +194,7 @@ def train(cfg: TrainConfig) -> dict:
                 (held(Path(cfg.out), "training run") if d.is_main else contextlib.nullcontext()), \
                 logs.where(lambda: stop_note(Path(cfg.out), "before training began")):
             s = build(cfg, d, device)
-            note_exports(s.dcfg, s.cache.manifest["target"]["num_layers"])
+            note_exports(s.dcfg, s.cache.manifest.target.num_layers)
             start = s.at = resume(s)
             if start >= s.total:
                 log.info(f"{s.run}: already trained for {start} steps: nothing to do")
@@ -232,6 +233,8 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
     cache = Cache(cfg.cache, layers=cfg.layers)
+    if d.is_main:
+        cache.warn_damaged()
     dcfg = drafter_config(cfg, cache)
     preflight(cfg, cache, dcfg)
     if d.world > 1 and cfg.on_corrupt == "skip":
@@ -305,9 +308,9 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
     m, cfg = cache.manifest, module.cfg
     # which target layers feed the drafter does not change its graph, only how many do (L)
     drafter = {k: v for k, v in module.drafter.cfg.to_dict().items() if k != "target_layer_ids"}
-    return {"drafter": drafter, "T": cache.token_budget, "D": m["max_docs"], "L": len(cache.layer_ids),
-            "H": m["hidden_size"], "A": cfg.num_anchors, "ce_chunk": module.ce_chunk, "gamma": module.gamma,
-            "loss": cfg.loss, "dpace_alpha": cfg.dpace_alpha, "labels": cfg.labels, "storage": m["storage_dtype"],
+    return {"drafter": drafter, "T": cache.token_budget, "D": m.max_docs, "L": len(cache.layer_ids),
+            "H": m.hidden_size, "A": cfg.num_anchors, "ce_chunk": module.ce_chunk, "gamma": module.gamma,
+            "loss": cfg.loss, "dpace_alpha": cfg.dpace_alpha, "labels": cfg.labels, "storage": m.storage_dtype,
             "scale_block": module.scale_block,
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
             "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,

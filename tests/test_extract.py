@@ -216,7 +216,8 @@ def test_verify_catches_a_deleted_chunk_and_damaged_weights(cache_dir, tmp_path)
 def test_cache_info_and_ls(cache_dir):
     i = info(cache_dir)
     m = i["manifest"]
-    assert i["complete"] and i["shards"] == {"committed": m["num_shards"], "total": m["num_shards"]}
+    assert i["complete"] and i["shards"] == {"committed": m["num_shards"], "total": m["num_shards"],
+                                             "damaged_records": 0}
     assert i["rows"]["total"] == 60 and i["tokens"]["committed"] == m["stats"]["tokens"]
     assert 0.5 < i["fill_ratio"] <= 1 and i["fill_ratio"] == m["stats"]["tokens"] / (m["num_shards"] * 512)
     hidden_bytes = 3 * TINY_HIDDEN * 2  # per position
