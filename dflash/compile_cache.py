@@ -177,9 +177,10 @@ class StepArtifacts:
         differ = sorted(k for k in set(self.fields) | set(theirs) if self.fields.get(k) != theirs.get(k))
         if differ:
             return f"made for another step (differs in {', '.join(differ)})", b""
-        if len(payload) != header.get("payload_bytes") or \
-                hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-            return f"the payload is corrupt or cut short ({len(payload)} of {header.get('payload_bytes')} bytes)", b""
+        if len(payload) != header.get("payload_bytes"):
+            return f"the payload is cut short ({len(payload)} of {header.get('payload_bytes')} bytes)", b""
+        if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+            return "the payload is corrupt (its sha256 differs from the header's)", b""
         return None, payload
 
     def _save(self) -> bool:
