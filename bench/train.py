@@ -10,23 +10,34 @@ cache code:
   a-dpace: a with the D-PACE loss; a-w2048: a with a 2048-token sliding window;
   long, long-w2048, long-w2048-causal: one 12288-token document per shard, 2048 anchors, full attention
      vs a 2048-token window (whole / causal block).
-Each compiled (reduce-overhead) for `--steps` steps, plus a few eager steps of a and b for the ratio.
-Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key
-count), first-step time, recompiles, peak memory, input wait.
+  Memory (`--runs memory`): a with --activation-memory-budget 0.5 / 0.3, --recompute mlp / attention / layers,
+     --optimizer-state bf16 alone and with the 0.5 budget.
+The big drafters (`--runs big`; 5 layers, 8 steps each):
+  glm-8192: GLM-5-sized (hidden 6144, 48/8 heads, head 128, MLP 18432, vocab 154880), T = 8192 (one document),
+     1024 anchors; glm-49152: T = 49,152 (6 x 8192-token documents), 4096 anchors; glm-49152-a8192: 8192
+     anchors as they are (the plan refuses it in seconds), -budget (--activation-memory-budget 0.6), -mlp
+     (--recompute mlp); q27: Qwen3.5-27B-sized (hidden 5120, 24/4 heads, head 256, MLP 17408, vocab 248320),
+     T = 12288 (4 x 3072), 2048 anchors.
+Each compiled (reduce-overhead) for `--steps` steps (the big ones 8), plus a few eager steps of a and b for the
+ratio. Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key count),
+first-step time, recompiles, peak memory (`torch.cuda.max_memory_allocated`) and the memory plan's estimate
+made before the compile, input wait. Checkpoints are not written (their write is not the step).
 
-    python bench/train.py --out $OUT --work /tmp/bench-train
+    python bench/train.py --out $OUT --work /tmp/bench-train [--runs a,b,...|big|memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -34,7 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash import cache as cachelib, fp8  # noqa: E402
+from dflash import cache as cachelib, checkpoint, fp8  # noqa: E402
 from dflash.config import TrainConfig, build_config  # noqa: E402
 from dflash.packing import plan_shards  # noqa: E402
 from dflash.train import train  # noqa: E402
@@ -43,9 +54,17 @@ QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads
             "intermediate_size": 12288, "vocab_size": 151936, "num_hidden_layers": 36, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "max_position_embeddings": 40960, "model_type": "qwen3",
             "dflash_mask_token_id": 151669}
+# the big drafters of 2026's targets: GLM-5-sized (a GLM-5-variant target) and Qwen3.5-27B-sized
+GLM5 = {**QWEN3_8B, "hidden_size": 6144, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 18432, "vocab_size": 154880, "num_hidden_layers": 78, "model_type": "glm_moe_dsa",
+        "dflash_mask_token_id": 154856}
+QWEN35_27B = {**QWEN3_8B, "hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "intermediate_size": 17408, "vocab_size": 248320, "num_hidden_layers": 64, "model_type": "qwen3_5_text",
+              "dflash_mask_token_id": 248077}
 LAYERS = [1, 9, 17, 25, 33]
 # run: (result key, cache, anchors, steps (None: --steps / --eager-steps), compile, log every, TrainConfig fields)
 WINDOW = {"sliding_window": 2048}
+BIG_STEPS = 8  # the big drafters: 8 steps, a line every 2 (steps 3-8 measured)
 PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "b": ("b_T3072", "c3072", 512, None, "yes", 5, {}),
          "c": ("c_chat", "cchat", 2048, None, "yes", 5, {}),
@@ -57,7 +76,27 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "long": ("long_T12288", "clong", 2048, None, "yes", 5, {}),
          "long-w2048": ("long_T12288_w2048", "clong", 2048, None, "yes", 5, WINDOW),
          "long-w2048-causal": ("long_T12288_w2048_causal", "clong", 2048, None, "yes", 5,
-                               {**WINDOW, "causal_block": True})}
+                               {**WINDOW, "causal_block": True}),
+         # memory: the Qwen3-8B shape of run a with the memory options
+         "a-budget0.5": ("a_budget0.5", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.5}),
+         "a-budget0.3": ("a_budget0.3", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.3}),
+         "a-mlp": ("a_recompute_mlp", "c12288", 2048, None, "yes", 5, {"recompute": "mlp"}),
+         "a-attention": ("a_recompute_attention", "c12288", 2048, None, "yes", 5, {"recompute": "attention"}),
+         "a-layers": ("a_recompute_layers", "c12288", 2048, None, "yes", 5, {"recompute": "layers"}),
+         "a-bf16": ("a_bf16_moments", "c12288", 2048, None, "yes", 5, {"optimizer_state": "bf16"}),
+         "a-bf16-budget0.5": ("a_bf16_budget0.5", "c12288", 2048, None, "yes", 5,
+                              {"optimizer_state": "bf16", "activation_memory_budget": 0.5}),
+         # the big drafters
+         "glm-8192": ("glm_T8192_A1024", "glm8192", 1024, BIG_STEPS, "yes", 2, {}),
+         "glm-49152": ("glm_T49152_A4096", "glm49152", 4096, BIG_STEPS, "yes", 2, {}),
+         "glm-49152-a8192": ("glm_T49152_A8192", "glm49152", 8192, BIG_STEPS, "yes", 2, {}),
+         "glm-49152-a8192-budget": ("glm_T49152_A8192_budget0.6", "glm49152", 8192, BIG_STEPS, "yes", 2,
+                                    {"activation_memory_budget": 0.6}),
+         "glm-49152-a8192-mlp": ("glm_T49152_A8192_mlp", "glm49152", 8192, BIG_STEPS, "yes", 2, {"recompute": "mlp"}),
+         "q27": ("q27_T12288_A2048", "q27", 2048, BIG_STEPS, "yes", 2, {})}
+GROUPS = {"memory": ["a", "a-budget0.5", "a-budget0.3", "a-mlp", "a-attention", "a-layers", "a-bf16",
+                     "a-bf16-budget0.5"],
+          "big": ["glm-8192", "glm-49152", "glm-49152-a8192", "glm-49152-a8192-budget", "glm-49152-a8192-mlp", "q27"]}
 
 
 def log(*a):
@@ -69,14 +108,17 @@ def synthetic_cache(path: Path, doc_lens: np.ndarray, loss_masks: list[np.ndarra
     """A cache with random states (unit-variance bf16) and random tokens, written by the real cache code."""
     H, V, L = dims["hidden_size"], dims["vocab_size"], len(layers)
     plan = plan_shards(np.arange(len(doc_lens)), doc_lens, T, D)
-    manifest = {"format_version": cachelib.FORMAT_VERSION, "cache_key": f"bench-{T}-{len(doc_lens)}",
-                "layer_ids": layers, "hidden_size": H, "vocab_size": V, "token_budget": T, "max_docs": D,
-                "num_shards": plan.num_shards, "pad_id": 0, "storage_dtype": "bfloat16", "compute_dtype": "bfloat16",
-                "dflash_version": "bench", "target": {"name": "synthetic Qwen3-8B", "path": "", "model_type": "qwen3",
-                                                      "num_layers": dims["num_hidden_layers"]},
+    manifest = {"format_version": cachelib.FORMAT_VERSION, "target_config_hash": json.dumps(dims, sort_keys=True),
+                "target_weights": "synthetic", "tokenizer_hash": "synthetic", "chat_template_hash": "synthetic",
+                "data_sha256": [], "limit": None, "layer_ids": layers, "token_budget": T, "max_docs": D,
+                "max_len": T, "compute_dtype": "bfloat16", "storage_dtype": "bfloat16", "packer": {"name": "bench"},
+                "dflash_version": "bench", "hidden_size": H, "vocab_size": V, "pad_id": 0, "drop_reasons": [],
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_shards": plan.num_shards, "data_files": [],
+                "target": {"name": f"synthetic {dims['model_type']}", "path": "", "model_type": dims["model_type"],
+                           "num_layers": dims["num_hidden_layers"]},
                 "stats": {"rows": len(doc_lens), "docs": len(doc_lens), "tokens": int(doc_lens.sum()),
                           "loss_tokens": int(sum(m.sum() for m in loss_masks)), "truncated": 0, "dropped": {}}}
-    manifest.update({k: manifest.get(k) for k in cachelib.KEY_FIELDS})  # what `dflash cache convert` hashes
+    manifest["cache_key"] = cachelib.cache_key(manifest)
     g = torch.Generator(device=device).manual_seed(0)
     weights = {"embed_tokens.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu(),
                "lm_head.weight": (torch.randn(V, H, generator=g, device=device) * 0.02).bfloat16().cpu()}
@@ -151,7 +193,8 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    stats = train(cfg)
+    with mock.patch.object(checkpoint, "save", lambda *a, **k: None):  # a checkpoint's write is not the step
+        stats = train(cfg)
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lines = [x for x in records if "loss" in x]
@@ -165,10 +208,52 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
            "useful_draft_tokens_per_s": float(np.mean([x["trained_slots_per_step"] for x in steady])) * tok_s / T,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, "wall_s": wall,
            "final_loss": lines[-1]["loss"], "cudagraph_skips": stats["cudagraph_skips"],
-           "compile": next((x for x in records if "compile" in x), None)}
+           "memory_plan_gb": stats["memory_plan_gb"], "compile": next((x for x in records if "compile" in x), None)}
     shutil.rmtree(out, ignore_errors=True)
     log(json.dumps(res))
     return res
+
+
+def cache_specs(smoke: bool) -> dict:
+    """Cache name -> (document lengths, loss masks, T, D, target dims): the runs' synthetic caches (`--smoke`: the
+    ones its runs use, at toy widths)."""
+    lens, masks = chat_documents(np.random.default_rng(0), 140)
+
+    def docs(n: int, length: int) -> tuple:
+        return np.full(n, length), [np.ones(length, np.uint8)] * n
+
+    if smoke:
+        toy = {**QWEN3_8B, **SMOKE_WIDTHS}
+        glm = {**GLM5, **SMOKE_WIDTHS, "hidden_size": 96, "num_attention_heads": 6, "intermediate_size": 192}
+        return {"cchat": (lens, masks, 12288, 64, toy), "clong": (*docs(6, 12288), 12288, 1, toy),
+                "c12288": (*docs(8, 3072), 12288, 4, toy), "glm8192": (*docs(4, 8192), 8192, 1, glm)}
+    return {"c12288": (*docs(24, 3072), 12288, 8, QWEN3_8B),  # 6 shards of 4 x 3072
+            "c3072": (*docs(8, 3072), 3072, 1, QWEN3_8B),
+            "cchat": (lens, masks, 12288, 64, QWEN3_8B),
+            "clong": (*docs(6, 12288), 12288, 1, QWEN3_8B),
+            "glm8192": (*docs(4, 8192), 8192, 1, GLM5),  # 4 shards of one 8192-token document
+            "glm49152": (*docs(18, 8192), 49152, 6, GLM5),  # 3 shards of 6 x 8192 (3 GB of states each)
+            "q27": (*docs(16, 3072), 12288, 4, QWEN35_27B)}  # 4 shards of 4 x 3072
+
+
+SMOKE_WIDTHS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 128, "vocab_size": 512, "dflash_mask_token_id": 511}
+# --smoke: eager runs on the CPU through the same path (an uncompiled step takes no activation budget)
+SMOKE_PLANS = {"smoke": ("smoke_chat", "cchat", 64, 6, "no", 2, {}),
+               "smoke-dpace-window": ("smoke_dpace_window", "clong", 64, 4, "no", 2,
+                                      {"loss": "dpace", "sliding_window": 256, "causal_block": True}),
+               "smoke-memory": ("smoke_bf16_mlp", "c12288", 64, 4, "no", 2,
+                                {"optimizer_state": "bf16", "recompute": "mlp"}),
+               "smoke-big": ("smoke_glm_layers", "glm8192", 64, 4, "no", 2, {"recompute": "layers"})}
+
+
+def selected(runs: str, plans: dict) -> list[str]:
+    """--runs: names of PLANS and of GROUPS (expanded), in order, each once."""
+    names = [n for r in runs.split(",") for n in GROUPS.get(r, [r])]
+    unknown = [n for n in names if n not in plans]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {', '.join(unknown)} (known: {', '.join([*plans, *GROUPS])})")
+    return list(dict.fromkeys(names))
 
 
 def main():
@@ -180,67 +265,57 @@ def main():
     p.add_argument("--work", default="/tmp/bench-train")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--eager-steps", type=int, default=6)
-    p.add_argument("--runs", default="a,b,c,a-eager,b-eager,a-profile")
+    p.add_argument("--runs", default="a,b,c,a-eager,b-eager,a-profile",
+                   help="runs, or groups of them (" + ", ".join(f"{g}: {','.join(v)}" for g, v in GROUPS.items()) + ")")
     p.add_argument("--smoke", action="store_true", help="toy widths, to check this script on a CPU")
     args = p.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    dims = dict(QWEN3_8B)
-    device = "cuda"
-    if args.smoke:
-        dims.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                    vocab_size=512, dflash_mask_token_id=511)
-        device = "cpu"
-    rng = np.random.default_rng(0)
+    plans = SMOKE_PLANS if args.smoke else PLANS
+    runs = list(plans) if args.smoke else selected(args.runs, plans)
+    device = "cpu" if args.smoke else "cuda"
     t0 = time.perf_counter()
-    lens, masks = chat_documents(rng, 140)
-    n_long = 4 * 6  # 6 shards of 4 x 3072
-    caches = {"c12288": (np.full(n_long, 3072), [np.ones(3072, np.uint8)] * n_long, 12288, 8),
-              "c3072": (np.full(8, 3072), [np.ones(3072, np.uint8)] * 8, 3072, 1),
-              "cchat": (lens, masks, 12288, 64),
-              "clong": (np.full(6, 12288), [np.ones(12288, np.uint8)] * 6, 12288, 1)}
-    runs = ["smoke"] if args.smoke else args.runs.split(",")
-    unknown = [r for r in runs if r not in PLANS and not args.smoke]
-    if unknown:
-        raise SystemExit(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(PLANS)})")
-    for name, spec in caches.items():
-        if args.smoke or any(PLANS[r][1] == name for r in runs):
-            synthetic_cache(work / name, *spec, dims, device)
+    for name, (lens, masks, T, D, dims) in cache_specs(args.smoke).items():
+        if any(plans[r][1] == name for r in runs):
+            synthetic_cache(work / name, lens, masks, T, D, dims, device)
     log(f"synthetic caches written in {time.perf_counter() - t0:.0f}s")
-    if args.smoke:  # the run path too, eagerly on the CPU
-        run("smoke", work / "cchat", work, 64, 6, "no", 2, device="cpu")
-        run("smoke-dpace-window", work / "clong", work, 64, 4, "no", 2, device="cpu", loss="dpace",
-            sliding_window=256, causal_block=True)
-        return
-    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "torch": torch.__version__}
     for name in runs:
-        key, c, anchors, steps, compile_, every, fields = PLANS[name]
+        key, c, anchors, steps, compile_, every, fields = plans[name]
         if steps is None:
             steps = args.steps if compile_ == "yes" else args.eager_steps
+        t1 = time.perf_counter()
         try:
             with profiled(out / f"profile_{key}.txt") if name.endswith("profile") else contextlib.nullcontext():
-                res[key] = run(name, work / c, work, anchors, steps, compile_, every, **fields)
+                res[key] = run(name, work / c, work, anchors, steps, compile_, every, device=device, **fields)
         except Exception as e:  # keep going: one device call should tell as much as it can
             traceback.print_exc()
-            res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+            res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "after_s": time.perf_counter() - t1}
         torch._dynamo.reset()
-        torch.cuda.empty_cache()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         (out / "results_train.json").write_text(json.dumps(res, indent=2))
-    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | cudagraph skips | peak GB | input wait "
-          "| useful draft tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | cudagraph skips | peak GB | plan GB "
+          "| plan / peak | input wait | useful draft tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k, r in res.items():
         if not isinstance(r, dict):
             continue
         if "error" in r:
-            print(f"| {k} | error: {r['error'][:200]} |")
+            print(f"| {k} | error after {r['after_s']:.0f} s: {r['error'][:400]} |")
             continue
+        ratio = f"{r['memory_plan_gb'] / r['peak_mem_gb']:.3f}" if r["peak_mem_gb"] else "–"
         print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-              f"{r['first_step_s']:.1f} | "
-              f"{r['recompiles']} | {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} | {r['input_wait']:.1%} | "
-              f"{r['useful_draft_tokens_per_s']:,.0f} |")
+              f"{r['first_step_s']:.1f} | {r['recompiles']} | {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} | "
+              f"{r['memory_plan_gb']:.1f} | {ratio} | {r['input_wait']:.1%} | {r['useful_draft_tokens_per_s']:,.0f} |")
 
 
 if __name__ == "__main__":

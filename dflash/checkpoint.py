@@ -129,7 +129,7 @@ def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
             name, field = key.split("::")
             per_param.setdefault(names.index(name), {})[field] = value
         tensor_lrs = [g["lr"] for g in optimizer.param_groups]
-        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        optimizer.load_state_dict({"state": per_param, "param_groups": _groups(optimizer, state["param_groups"])})
         for group, lr in zip(optimizer.param_groups, tensor_lrs):
             if torch.is_tensor(lr):  # back into the same tensor the step was built with
                 group["lr"] = lr.fill_(float(group["lr"]))
@@ -137,6 +137,17 @@ def load(path: Path, model: torch.nn.Module, optimizer=None) -> dict:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return state
+
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # what a resumed optimizer takes from its checkpoint
+
+
+def _groups(optimizer, saved: list[dict]) -> list[dict]:
+    """The saved param groups as `optimizer` loads them: the saved hyperparameters, and the optimizer's own
+    implementation flags (fused, foreach, AdamW's decoupled weight decay, ...), so that a checkpoint of torch's
+    AdamW, fused on a GPU, resumes on a CPU or as `BF16AdamW`, and the other way round."""
+    return [{**{k: v for k, v in own.items() if k != "params"}, **{k: g[k] for k in HYPERPARAMETERS if k in g},
+             "params": g["params"]} for own, g in zip(optimizer.param_groups, saved)]
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

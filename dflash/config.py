@@ -292,6 +292,23 @@ class TrainConfig(_Checked):
     """Compiled step: the cross-entropy's chunk is compiled once and called for every chunk
     (torch.compiler.nested_compile_region) instead of unrolled into one copy per chunk: the same result,
     a shorter cold compile and a lower peak memory for large drafters. `--no-compile-regions`: unrolled."""
+    activation_memory_budget: float = 1.0
+    """Compiled step: in (0, 1], the share of its activations (what the forward keeps for the backward) the step
+    may keep; below 1, AOT autograd's partitioner recomputes the cheapest of the rest in the backward (pointwise
+    work first, then the fewest FLOPs), inside the same CUDA graphs. 1: what the default partitioner keeps.
+    Trades step time for memory; an uncompiled step cannot use it (--recompute can)."""
+    recompute: Literal["none", "mlp", "attention", "layers"] = "none"
+    """Recompute a part of every drafter layer in the backward instead of keeping its activations
+    (torch.utils.checkpoint, compiled into the same graphs): `mlp` (about half of a layer's activations; its gate
+    and up projections run twice), `attention` (its projections, norms and attention run twice), or `layers`
+    (all of each layer: only its input is kept, its forward runs twice). `none`: keep everything."""
+    optimizer_state: Literal["fp32", "bf16"] = "fp32"
+    """AdamW's moments: `fp32` (torch's AdamW, fused on GPU: 16 bytes per trained parameter with the fp32 weights
+    and gradients) or `bf16` (12 bytes: the moments are kept in bfloat16, rounded stochastically, and every
+    update is computed in fp32). A run may resume with the other one (its moments are converted)."""
+    memory_check: bool = True
+    """Before compiling, estimate the step's peak GPU memory (logged) and stop, naming options that fit, when it
+    exceeds the device's free memory. `--no-memory-check`: log the estimate and try anyway."""
     prefetch: int = 3
     """Shards read ahead into pinned memory."""
     follow: bool = False
@@ -301,7 +318,8 @@ class TrainConfig(_Checked):
 
     # fields that change only how a run executes, not what it computes: free to differ on resume
     RUNTIME_FIELDS = ("save_every", "log_every", "eval_every", "eval_shards", "device", "compile", "compile_cache",
-                      "prefetch", "follow", "on_corrupt", "ce_chunk", "compile_regions")
+                      "prefetch", "follow", "on_corrupt", "ce_chunk", "compile_regions", "activation_memory_budget",
+                      "recompute", "optimizer_state", "memory_check")
 
     def resolved_gamma(self) -> float:
         from dflash.objective import default_gamma
@@ -330,6 +348,8 @@ class TrainConfig(_Checked):
             raise DflashError(f"--gamma must be > 0, got {self.gamma}")
         if not 0 <= self.warmup < 1:
             raise DflashError(f"--warmup is a fraction of the run in [0, 1), got {self.warmup}")
+        if not 0 < self.activation_memory_budget <= 1:
+            raise DflashError(f"--activation-memory-budget must be in (0, 1], got {self.activation_memory_budget}")
 
     def identity(self) -> dict:
         """The fields a resumed run must share with the run it continues (the drafter's flattened in)."""

@@ -90,6 +90,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def recomputed(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x), keeping only x for the backward, which runs fn again (torch.utils.checkpoint: traced into a compiled
+    graph, where the partitioner recomputes what the backward needs). fn holds no randomness to replay."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
+
+
+RECOMPUTE = ("none", "mlp", "attention", "layers")  # what `Drafter.forward` may recompute in the backward
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -98,9 +109,16 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx_kv, rope_q, attend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx_kv, rope_q, attend, recompute: str = "none"):
+        """`recompute` (`mlp`, `attention`): that sublayer (with its norm) keeps only its input for the backward."""
+        def attention(y):
+            return self.self_attn(self.input_layernorm(y), ctx_kv, rope_q, attend)
+
+        def mlp(y):
+            return self.mlp(self.post_attention_layernorm(y))
+
+        x = x + (recomputed(attention, x) if recompute == "attention" else attention(x))
+        return x + (recomputed(mlp, x) if recompute == "mlp" else mlp(x))
 
 
 class Drafter(nn.Module):
@@ -161,17 +179,23 @@ class Drafter(nn.Module):
         return [layer.self_attn.kv(ctx, *rope_ctx) for layer in self.layers]
 
     def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                attend, ctx_kv: list | None = None) -> torch.Tensor:
+                attend, ctx_kv: list | None = None, recompute: str = "none") -> torch.Tensor:
         """Final normed states of the block tokens [N, H].
 
         ctx [T, H] and ctx_pos [T]: context features and their positions (or their per-layer keys and
         values, `ctx_kv`, as `context_kv` makes them: what decoding caches); block_ids, block_pos [N]:
         the block tokens (anchor, MASK, ...) and their positions; attend(q, k, v): attention with the
-        mask that says which of the T + N keys each of the N queries sees."""
+        mask that says which of the T + N keys each of the N queries sees. `recompute` (one of RECOMPUTE, while
+        gradients are recorded): what of each layer the backward recomputes instead of keeping (the same result)."""
         if ctx_kv is None:
             ctx_kv = self.context_kv(ctx, ctx_pos)
         x = self.embed(block_ids).to(ctx_kv[0][0].dtype)  # [N, H]
         rope_q = self.rope(block_pos)
+        if not torch.is_grad_enabled():
+            recompute = "none"
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, kv, rope_q, attend)
+            if recompute == "layers":
+                x = recomputed(lambda y, layer=layer, kv=kv: layer(y, kv, rope_q, attend), x)
+            else:
+                x = layer(x, kv, rope_q, attend, recompute)
         return self.norm(x)

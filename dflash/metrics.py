@@ -1,6 +1,6 @@
 """The training log: what `dflash train` measures and writes to RUN/metrics.jsonl, a JSON line per logged
 step (loss, per-slot accuracy, gradient norm, lr, tokens/s, input wait; on GPU MFU, recompiles, CUDA-graph
-skips), per evaluation (tau) and, for a compiled step, one after its first step (cold or warm, seconds).
+skips, peak memory), per evaluation (tau) and, for a compiled step, one after its first step (cold or warm, seconds).
 
 Step outputs are summed on the device and read back only when a line is due (`log`): with the checkpoint
 saves, the loop's only host syncs. A non-finite loss or gradient norm is remembered on the device too, with
@@ -148,6 +148,7 @@ class Metrics:
             self.recompiles = compiled_graphs() - self._graphs_after_first
             record["recompiles"] = self.recompiles
             record["cudagraph_skips"] = self.cudagraph_skips()
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9  # the allocator's count
         self._t_log, self._wait_log = now, input_wait_s
         self._reset()
         self._write(record)

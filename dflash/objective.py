@@ -69,10 +69,13 @@ def valid_anchors(lay: Layout, loss_mask: torch.Tensor) -> torch.Tensor:
     return lay.real & lm & nxt & (p + 1 < lay.doc_end)
 
 
-def sample_anchors(valid: torch.Tensor, num_anchors: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(valid: torch.Tensor, num_anchors: int, generator=None,
+                   scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A anchors drawn uniformly without replacement from the valid positions, sorted ([A] int64), and
-    which of them are real ([A] bool: fewer valid positions than A leaves some slots unused)."""
-    scores = torch.rand(valid.shape[0], device=valid.device, generator=generator)
+    which of them are real ([A] bool: fewer valid positions than A leaves some slots unused). `scores` [T]:
+    uniform draws made by the caller (the training step draws them outside its compiled graph)."""
+    if scores is None:
+        scores = torch.rand(valid.shape[0], device=valid.device, generator=generator)
     scores = torch.where(valid, scores, -1.0)
     # ascending by a second topk, not sort: Inductor lowers a sort of <= 512 elements to a Triton sorting
     # network (slow to compile), while topk stays one library call
@@ -350,17 +353,20 @@ def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
 
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
                  gamma: float = 7.0, loss: str = "decay", dpace_alpha: float = 0.5, labels_from: str = "target",
-                 attention: str = "eager", ce_chunk: int = 1024, ce_region: bool = False,
-                 anchors: torch.Tensor | None = None, generator=None) -> StepOutput:
+                 attention: str = "eager", ce_chunk: int = 1024, ce_region: bool = False, recompute: str = "none",
+                 anchors: torch.Tensor | None = None, anchor_scores: torch.Tensor | None = None,
+                 generator=None) -> StepOutput:
     """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
     doc_lens [D]. `loss`: `decay` (fixed slot weights, `gamma`) or `dpace` (D-PACE, `dpace_alpha`).
-    `anchors` (sorted [A]) replaces the random draw, for tests."""
+    `recompute`: what of each drafter layer the backward recomputes (`Drafter.forward`).
+    `anchor_scores` [T] (uniform) are the random draw's numbers, drawn by the caller; `anchors` (sorted [A])
+    replaces the draw, for tests."""
     cfg = model.cfg
     T, B, W, causal = input_ids.shape[0], cfg.block_size, cfg.sliding_window, cfg.causal_block
     lay = layout(doc_lens, T)
     valid = valid_anchors(lay, loss_mask)
     if anchors is None:
-        anchors, anchor_ok = sample_anchors(valid, num_anchors, generator)
+        anchors, anchor_ok = sample_anchors(valid, num_anchors, generator, anchor_scores)
     else:
         anchor_ok = valid[anchors]
     blocks = make_blocks(anchors, anchor_ok, lay, input_ids, target_ids, loss_mask, block_size=B,
@@ -372,7 +378,7 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
     else:
         attend = eager_attention(anchors, lay, B, W, causal)
     ctx = model.context(hidden)  # [T, H]
-    h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend)  # [A*B, H]
+    h = model(ctx, lay.pos, blocks.ids, blocks.pos, attend, recompute=recompute)  # [A*B, H]
     h = h.view(-1, B, h.shape[-1])[:, 1:].reshape(-1, h.shape[-1])  # slots 1..B-1: [A*(B-1), H]
     supervised = blocks.supervised
     if loss == "dpace":

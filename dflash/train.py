@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import checkpoint, drafter as drafter_module, fp8, logs, objective
+from dflash import checkpoint, drafter as drafter_module, fp8, logs, memory, objective
 from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.compile_cache import StepArtifacts, source_hash
 from dflash.config import TrainConfig, flat_dict, resolve_drafter
@@ -40,6 +40,7 @@ from dflash.errors import DflashError
 from dflash.evaluate import acceptance
 from dflash.files import disk_full_is_an_error, held, write_json_atomic
 from dflash.loader import ShardLoader, epoch_order
+from dflash.memory import BF16AdamW, MemoryPlan, StepShape
 from dflash.metrics import Metrics, StepResult
 from dflash.objective import ce_rows, drafter_loss
 from dflash.target import resolve_device
@@ -168,16 +169,17 @@ class LossModule(torch.nn.Module):
         self.ce_chunk = cfg.ce_chunk or ce_rows(drafter.cfg.vocab_size)
         self.scale_block = scale_block  # fp8 cache: channels per scale
 
-    def forward(self, hidden, input_ids, loss_mask, target_ids, doc_lens, hidden_scale=None):
+    def forward(self, hidden, input_ids, loss_mask, target_ids, doc_lens, anchor_scores, hidden_scale=None):
         """hidden [L, T, H] (the loader's layer-major layout: bf16, or e4m3 with hidden_scale [L, T, G]);
-        the rest as `drafter_loss` takes them."""
+        anchor_scores [T]: the anchor draw's uniform numbers; the rest as `drafter_loss` takes them."""
         if hidden_scale is not None:  # inside the compiled step: fuses into the copy that feeds fc
             hidden = fp8.dequantize(hidden, hidden_scale, self.scale_block,
                                     torch.bfloat16 if self.autocast else self.drafter.fc.weight.dtype)
         out = drafter_loss(self.drafter, hidden.transpose(0, 1), input_ids.long(), loss_mask, target_ids.long(),
                            doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, loss=self.cfg.loss,
                            dpace_alpha=self.cfg.dpace_alpha, labels_from=self.cfg.labels, attention=self.attention,
-                           ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions)
+                           ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions, recompute=self.cfg.recompute,
+                           anchor_scores=anchor_scores)
         walk = torch.stack([out.anchors, out.anchor_ok.long(), out.anchor_doc, out.accepted.long()])  # [4, A]
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, walk, out.visible_keys
 
@@ -222,6 +224,8 @@ class Setup:
     optimizer: torch.optim.Optimizer
     loss_fn: torch.nn.Module  # LossModule, in DDP over several ranks, compiled where asked, under autocast on GPU
     compiled: bool
+    shape: StepShape  # what the step's memory depends on
+    memory_plan: MemoryPlan  # its estimate, made before anything was allocated
     artifacts: StepArtifacts | None = None  # the compiled step's artifacts (None: not compiled)
     at: int = 0  # the last step done (what a stop says)
 
@@ -237,6 +241,9 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
         cache.warn_damaged()
     dcfg = drafter_config(cfg, cache)
     preflight(cfg, cache, dcfg)
+    compiled = compiles(cfg, device)
+    shape = step_shape(cfg, dcfg, cache, d, compiled)
+    memory_plan = check_memory(cfg, shape, device, d)
     if d.world > 1 and cfg.on_corrupt == "skip":
         raise DflashError("--on-corrupt skip runs in one process only (DDP ranks would fall out of step); "
                           "`dflash cache verify` names bad shards, and deleting their commits/ records excludes them")
@@ -246,15 +253,61 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
     drafter = Drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
     drafter.cache_rope(cache.token_budget + dcfg.block_size)  # every position of a shard's context and blocks
-    lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
+    optimizer = make_optimizer(cfg, drafter, device)
     module = LossModule(drafter, cfg, "flex" if cuda else "eager", autocast=cuda, scale_block=cache.scale_block)
-    loss_fn, compiled = wrap_step(module, cfg, d, device)
+    loss_fn = wrap_step(module, cfg, d, device, compiled)
     artifacts = StepArtifacts(step_fields(module, cache, d), device, enabled=cfg.compile_cache,
                               save=d.is_main) if compiled else None
     return Setup(cfg=cfg, d=d, device=device, run=Path(cfg.out), cache=cache, dcfg=dcfg, train_shards=train_shards,
                  holdout=holdout, total=cfg.max_steps or cfg.epochs * (len(train_shards) // d.world),
-                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled, artifacts=artifacts)
+                 drafter=drafter, optimizer=optimizer, loss_fn=loss_fn, compiled=compiled, shape=shape,
+                 memory_plan=memory_plan, artifacts=artifacts)
+
+
+def compiles(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the step is compiled: on GPU, or when asked. A budget for its activations needs a compiled step."""
+    compiled = cfg.compile == "yes" or (cfg.compile == "auto" and device.type == "cuda")
+    if cfg.activation_memory_budget < 1 and not compiled:
+        raise DflashError(f"--activation-memory-budget {cfg.activation_memory_budget} applies to a compiled step "
+                          f"(--compile yes, the default on a GPU); an uncompiled one can use --recompute")
+    return compiled
+
+
+def step_shape(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, d: Dist, compiled: bool) -> StepShape:
+    return StepShape(drafter=dcfg, T=cache.token_budget, A=cfg.num_anchors, D=cache.manifest.max_docs,
+                     ce_chunk=cfg.ce_chunk or ce_rows(dcfg.vocab_size), scale_block=cache.scale_block,
+                     compiled=compiled, regions=cfg.compile_regions, optimizer_state=cfg.optimizer_state,
+                     budget=cfg.activation_memory_budget, recompute=cfg.recompute, world=d.world, prefetch=cfg.prefetch)
+
+
+def check_memory(cfg: TrainConfig, shape: StepShape, device: torch.device, d: Dist) -> MemoryPlan:
+    """The step's memory plan, logged. On a GPU, a step whose estimate exceeds the free memory stops here in one
+    line that names options that fit, before anything is allocated or compiled (on every rank if on any);
+    --no-memory-check says it and goes on."""
+    plan = memory.plan(shape)
+    free = memory.device_memory(device)
+    where = f"; {memory.size(free[0])} free on {device}" if free else " on a GPU (a CPU run is not checked)"
+    log.info(f"memory plan: the step needs {plan.describe()}{where}; the loader pins {memory.size(plan.host_pinned)} "
+             f"of host memory")
+    refusal = memory.refusal(shape, plan, free[0], device) if free else None
+    if d.world > 1:  # every rank stops if one does (a rank left alone would wait for the others forever)
+        said = [None] * d.world
+        torch.distributed.all_gather_object(said, refusal)
+        refusal = next((x for x in said if x is not None), None)
+    if refusal and cfg.memory_check:
+        raise DflashError(refusal)
+    if refusal:
+        log.warning(refusal)
+    return plan
+
+
+def make_optimizer(cfg: TrainConfig, drafter: Drafter, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the drafter's parameters, its moments in fp32 (torch's, fused on GPU) or bf16 (`BF16AdamW`)."""
+    cuda = device.type == "cuda"
+    lr = torch.tensor(cfg.lr, device=device) if cuda else cfg.lr  # a tensor: changing it never recompiles
+    if cfg.optimizer_state == "bf16":
+        return BF16AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
+    return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=cuda)
 
 
 def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> tuple[list[int], list[int]]:
@@ -274,18 +327,33 @@ def run_shards(cfg: TrainConfig, d: Dist, cache: Cache, dcfg: DrafterConfig) -> 
     return config.get("train_shards", train_shards), [s for s in config["holdout_shards"] if s in committed]
 
 
-def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.device) -> tuple[torch.nn.Module, bool]:
-    """The step as it runs, and whether it is compiled: in DDP over several ranks, then compiled
-    (reduce-overhead: CUDA graphs) on GPU or when asked. The one place compilation is applied."""
+def wrap_step(module: LossModule, cfg: TrainConfig, d: Dist, device: torch.device, compiled: bool) -> torch.nn.Module:
+    """The step as it runs: in DDP over several ranks, then compiled (reduce-overhead: CUDA graphs) if `compiled`,
+    under its activation memory budget. The one place compilation is applied."""
     cuda, autocast = device.type == "cuda", module.autocast
     if d.world > 1:
         # broadcast_buffers=False: the frozen embeddings/head are buffers, identical on every rank (each loads
         # them from the cache); DDP's default would sync with the host and broadcast them every step
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None,
                                                            broadcast_buffers=False)
-    compiled = cfg.compile == "yes" or (cfg.compile == "auto" and cuda)
     step = torch.compile(module, **COMPILE_OPTIONS) if compiled else module
-    return (Autocast(step) if autocast else step), compiled
+    if compiled and cfg.activation_memory_budget < 1:
+        step = MemoryBudget(step, cfg.activation_memory_budget)
+    return Autocast(step) if autocast else step
+
+
+class MemoryBudget(torch.nn.Module):
+    """`step` compiled under AOT autograd's activation memory budget: the partitioner, which splits the traced
+    forward and backward when the first call compiles them, keeps at most this share of the activations and
+    recomputes the rest in the backward. Set around every call (the same value each time), not for the process."""
+
+    def __init__(self, step: torch.nn.Module, budget: float):
+        super().__init__()
+        self.step, self.budget = step, budget
+
+    def forward(self, **inputs):
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return self.step(**inputs)
 
 
 class Autocast(torch.nn.Module):
@@ -314,8 +382,8 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
             "scale_block": module.scale_block,
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
             "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,
-            "regions": cfg.compile_regions, "world": d.world,
-            "code": source_hash(drafter_module, objective, fp8, LossModule, Autocast)}
+            "regions": cfg.compile_regions, "world": d.world, "memory_budget": cfg.activation_memory_budget,
+            "recompute": cfg.recompute, "code": source_hash(drafter_module, objective, fp8, LossModule, Autocast)}
 
 
 def resume(s: Setup) -> int:
@@ -347,7 +415,11 @@ def train_step(s: Setup, inputs, lr: float) -> StepResult:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
-    loss, *outputs = s.loss_fn(**inputs.tensors())
+    tensors = inputs.tensors()
+    # drawn here, not in the compiled graph: AOT autograd's partitioner may recompute a random op in the
+    # backward with fresh numbers under an activation memory budget (silently wrong gradients, torch 2.11-2.14)
+    scores = torch.rand(tensors["input_ids"].shape[0], device=s.device)  # [T]
+    loss, *outputs = s.loss_fn(**tensors, anchor_scores=scores)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(group["params"], s.cfg.grad_clip)
     s.optimizer.step()
@@ -390,7 +462,8 @@ def loop(s: Setup, start: int) -> dict:
     try:
         for _, inputs in loader:
             t0 = time.perf_counter()
-            out = train_step(s, inputs, lr_at(cfg, step, s.total))
+            with out_of_memory_said(s, step + 1):
+                out = train_step(s, inputs, lr_at(cfg, step, s.total))
             step = s.at = step + 1
             metrics.add(out, step)
             if step == start + 1:
@@ -416,13 +489,32 @@ def loop(s: Setup, start: int) -> dict:
     finally:
         loader.close()
         bar.close()
+    peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None
     log.info(f"{run}: trained to step {step} of {s.total}"
              + (f"; first step {metrics.first_step_s:.1f}s" if metrics.first_step_s else "")
-             + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else ""))
+             + (f"; recompiles after step 1: {metrics.recompiles}" if s.compiled else "")
+             + (f"; peak GPU memory {memory.size(peak)} (planned {memory.size(s.memory_plan.peak)})" if peak else ""))
     return {"steps": step, "resumed_at": start, "first_step_s": metrics.first_step_s, "recompiles": metrics.recompiles,
             "compile": compile_record.get("compile"),
             "cudagraph_skips": metrics.cudagraph_skips() if s.compiled else 0,
-            "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped}
+            "input_wait_s": loader.wait_s, "skipped_shards": loader.skipped,
+            "memory_plan_gb": s.memory_plan.peak / memory.GB, "peak_memory_gb": peak / memory.GB if peak else None}
+
+
+@contextlib.contextmanager
+def out_of_memory_said(s: Setup, step: int):
+    """A CUDA out-of-memory in step `step` (its compile included) ends the run in one line: the plan, options that
+    lower it, and the checkpoint the same command resumes from (nothing is saved after an out-of-memory)."""
+    try:
+        yield
+    except Exception as e:
+        if not memory.is_out_of_memory(e):
+            raise
+        options = memory.options_that_fit(s.shape, int(s.memory_plan.peak * 5 / 6))  # a sixth lower, or more
+        fix = f"lower it with {', or '.join(options)}, and run the same command" if options else \
+            "run the same command on a GPU with more free memory"
+        raise DflashError(f"step {step}: out of GPU memory; the plan estimated {s.memory_plan.describe()}; "
+                          f"{last_good(s.run)}; {fix}: it resumes from there") from None
 
 
 def stop_note(run: Path, at: str) -> str:

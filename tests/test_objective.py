@@ -131,6 +131,58 @@ def test_dpace_and_sliding_window_match_the_naive_reference(block_size, loss, wi
     assert torch.equal(out.slot_correct, correct) and torch.equal(out.slot_count, count)
 
 
+def min_cut_backend(saved_bytes: list):
+    """A torch.compile backend with AOT autograd's min-cut partitioner (the one Inductor uses, which honours the
+    activation memory budget and checkpointed regions) and eager kernels, without Inductor's C++ compile; it
+    records the bytes each forward graph hands on (its outputs: what the backward keeps, and the results)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(gm, example_inputs):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        values = [getattr(v, "meta", {}).get("val") for v in outputs]
+        saved_bytes.append(sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+@pytest.mark.parametrize("recompute", ["none", "mlp", "attention", "layers"])
+def test_recomputation_and_the_activation_budget_keep_the_loss_and_gradients(recompute):
+    """Recomputing a part of every layer in the backward (eager and compiled) and the compiled step's activation
+    memory budget change what the forward keeps, never the loss or the gradients: each matches the naive
+    reference; a budget below 1 keeps less, and recomputing whole layers keeps less than recomputing nothing."""
+    model, shard = tiny_drafter(6), random_shard(6)
+    anchors = torch.tensor([1, 5, 12, 33, 40, 57, 61, 70])
+    ref, _, _ = naive_loss(model, **shard, anchors=anchors, gamma=4.0)
+    ref.backward()
+    slow = grads(model)
+
+    def step(what):
+        model.zero_grad(set_to_none=True)
+        loss = drafter_loss(model, **shard, num_anchors=8, gamma=4.0, anchors=anchors, ce_chunk=7, recompute=what).loss
+        loss.backward()
+        return loss.detach(), grads(model)
+
+    runs = {"eager": step(recompute)}
+    saved = {}
+    for what, budget in dict.fromkeys([(recompute, 1.0), (recompute, 0.3), ("none", 1.0)]):
+        torch._dynamo.reset()
+        saved[what, budget] = []
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            runs[what, budget] = torch.compile(step, backend=min_cut_backend(saved[what, budget]))(what)
+    for name, (loss, fast) in runs.items():
+        assert rel_err(loss, ref.detach()) < 1e-5, name
+        assert all(rel_err(fast[n], slow[n]) < 1e-4 for n in slow), name
+    kept = {k: v[0] for k, v in saved.items()}  # the step's forward graph (then the cross-entropy chunk's)
+    assert kept[recompute, 0.3] <= kept[recompute, 1.0]
+    if recompute == "none":
+        assert kept["none", 0.3] < 0.8 * kept["none", 1.0]
+    if recompute == "layers":
+        assert kept["layers", 1.0] < 0.8 * kept["none", 1.0]
+
+
 def test_a_window_changes_the_loss_only_where_it_cuts_the_context():
     """The window is measured from each slot: W = 30 cuts the first token of a 30-token document for the
     late slots of its late anchors; a window past every slot's position (30 + B) is full attention."""
