@@ -358,16 +358,35 @@ class TrainConfig(_Checked):
 
 @dataclass(kw_only=True)
 class RegenerateConfig(_Checked):
-    """Everything `dflash regenerate` needs."""
+    """Everything `dflash regenerate` needs: the target runs in this process, or behind `server`."""
 
     target: str = ""
-    """The Hugging Face target (folder or hub id)."""
+    """The Hugging Face target (folder or hub id). With --server: optional, read for its tokenizer only (text
+    rows' prompts, the chat template's reasoning field)."""
     data: list[str] = field(default_factory=list)
     """Input JSONL/Parquet files."""
     out: str = ""
     """Output JSONL (plus OUT.meta.json, its settings); the same command resumes it."""
+    server: str | None = None
+    """Base URL of an OpenAI-compatible server that serves the target (vLLM, SGLang, `transformers serve`),
+    e.g. http://localhost:8000/v1: requests go there, concurrently, instead of running the target here."""
+    model: str | None = None
+    """With --server: the served model's name. None: the server's only model."""
+    api_key_env: str | None = None
+    """With --server: the environment variable that holds the server's API key (sent as a bearer token, never
+    logged). None: no key."""
+    concurrency: int = 8
+    """With --server: rows (conversations) in flight at once."""
+    timeout: float = 600.0
+    """With --server: seconds a request may wait for its answer before it is retried."""
+    retries: int = 4
+    """With --server: retries of a request that failed (HTTP 5xx, 408, 429, a timeout, a dropped connection),
+    waiting 1, 2, 4, ... s (at most 30) between tries."""
+    turns: Literal["all", "last"] = "all"
+    """`messages` rows: regenerate every assistant turn given the conversation so far (`all`), or only the last
+    one (`last`); a conversation that ends on another role gets a new last assistant turn."""
     max_new_tokens: int = 512
-    """Longest generated response."""
+    """Longest generated response (per turn)."""
     temperature: float = 0.0
     """0: greedy; otherwise sampling at this temperature."""
     top_p: float = 1.0
@@ -375,22 +394,33 @@ class RegenerateConfig(_Checked):
     prompt_tokens: int = 32
     """Tokens of a `text` row kept as the prompt of its continuation."""
     batch_size: int = 16
-    """Prompts generated together."""
+    """Prompts generated together (in-process)."""
     seed: int = 0
-    """Sampling seed (each chunk reseeds from it, so a resumed run samples the same)."""
+    """Sampling seed: in-process, each chunk reseeds from it, so a resumed run samples the same; with --server,
+    each request carries a seed of its own derived from it, its row and its turn."""
     limit: int | None = None
     """Only the first N rows."""
     device: str = "auto"
-    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N` (in-process)."""
     dtype: ComputeDtype = "auto"
-    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32`."""
+    """Target compute dtype: `auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16`, `fp32` (in-process)."""
     device_map: str | None = None
     """Spread a target too big for one GPU over the machine's: `auto`, `balanced`, `sequential`, or a
-    JSON map of module -> device (inline or a .json file)."""
+    JSON map of module -> device (inline or a .json file) (in-process)."""
 
     def validate(self) -> None:
-        _require_io(self)
-        self._at_least(1, "max_new_tokens", "batch_size", "prompt_tokens", "limit")
+        if self.server is None:
+            _require_io(self)
+        elif not self.data:
+            raise DflashError("no data: pass --data or set `data` in the preset")
+        elif not self.out:
+            raise DflashError("no output: pass --out")
+        self._at_least(1, "max_new_tokens", "batch_size", "prompt_tokens", "limit", "concurrency")
+        self._at_least(0, "retries")
+        if not self.timeout > 0:
+            raise DflashError(f"--timeout must be > 0, got {self.timeout}")
+        if self.server is not None and not self.server.startswith(("http://", "https://")):
+            raise DflashError(f"--server {self.server}: not an http:// or https:// URL")
         _check_device_map(self.device_map)
 
 

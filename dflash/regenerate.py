@@ -1,12 +1,16 @@
 """`dflash regenerate`: rewrite a dataset's responses with the target's own generations.
 
 Drafters are trained on what the target itself would say, because that is what acceptance is measured
-against. `messages` rows keep every turn before their last assistant turn and get a new last assistant
-turn; `text` rows keep their first `prompt_tokens` tokens and get the target's continuation.
+against. A `messages` row gets the target's answer in place of every assistant turn, turn by turn, each given
+the conversation so far (`--turns last`: only the last one); a conversation that ends on another role gets a
+new last assistant turn. A `text` row keeps its first `prompt_tokens` tokens and gets the target's
+continuation; a `prompt` + `completion` row gets a new completion. Every row says why each of its generations
+stopped (`dflash_finish_reasons`: `stop`, or `length` at `max_new_tokens`).
 
-Output is JSONL in input order, written a chunk (8 batches) at a time; the same command resumes an
-interrupted run from its last whole chunk (the settings are kept in OUT.meta.json and must match), so
-even a sampled run resumes to the same file.
+The target runs in this process (HF `generate`, batched), or behind an OpenAI-compatible server (`--server`:
+dflash/regenerate_server.py). Either way the output is JSONL in input order; in-process it is written a chunk
+(8 batches) at a time, and the same command resumes an interrupted run from its last whole chunk (the settings
+are kept in OUT.meta.json and must match), so even a sampled run resumes to the same file.
 """
 
 from __future__ import annotations
@@ -22,27 +26,109 @@ from tqdm.auto import tqdm
 
 from dflash import logs
 from dflash.config import RegenerateConfig
-from dflash.data import Row, chat_prompt_ids, file_fingerprints, read_rows
+from dflash.data import Row, file_fingerprints, read_rows
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error, write_json_atomic
 
 log = logging.getLogger(__name__)
 
+# fields that change no row of the output, or that belong to the other path (the server's own, in-process)
+_NEVER_KEPT = ("out", "data", "target")
+SERVER_ONLY = ("server", "model", "api_key_env", "concurrency", "timeout", "retries")
+IN_PROCESS_ONLY = ("device", "dtype", "device_map", "batch_size")
 
-def _prompt(row: Row, tok, prompt_tokens: int) -> tuple[list[int], list[dict] | None]:
-    """(prompt token ids, the kept messages of a chat row, or None for a text row)."""
-    rec = row.record
-    if "messages" in rec:
-        msgs = rec["messages"]
-        end = len(msgs) - 1 if msgs and msgs[-1]["role"] == "assistant" else len(msgs)
-        kept = msgs[:end]
-        if not any(m["role"] == "user" for m in kept):
-            raise DflashError(f"{row.where}: no user turn to answer")
-        return chat_prompt_ids(tok, kept), kept
-    ids = tok(rec["text"])["input_ids"][:prompt_tokens]
-    if not ids:
-        raise DflashError(f"{row.where}: empty text, nothing to continue")
-    return ids, None
+
+class Job:
+    """One row on its way through regeneration: what is generated next, and what came back so far."""
+
+    def __init__(self, row: Row, turns: str, tok, prompt_tokens: int):
+        rec = row.record
+        self.row, self.finish, self.tokens = row, [], 0
+        self.msgs = self.prompt_text = self.prompt_ids = self.text = None
+        self.tools = rec.get("tools") if "messages" in rec else None
+        if "messages" in rec:
+            self.msgs = [dict(m) for m in rec["messages"]]
+            self.todo = chat_turns(row, turns)
+        elif "completion" in rec:
+            self.todo, self.prompt_text = [0], rec["prompt"]
+            if not self.prompt_text:
+                raise DflashError(f"{row.where}: empty prompt, nothing to complete")
+            if tok is not None:
+                self.prompt_ids = tok(self.prompt_text)["input_ids"]
+        else:
+            if tok is None:
+                raise DflashError(f"{row.where}: a text row's prompt is its first --prompt-tokens tokens: pass "
+                                  f"--target (the served model's folder or hub id) for its tokenizer")
+            self.todo, self.prompt_ids = [0], tok(rec["text"])["input_ids"][:prompt_tokens]
+            if not self.prompt_ids:
+                raise DflashError(f"{row.where}: empty text, nothing to continue")
+            self.prompt_text = tok.decode(self.prompt_ids, skip_special_tokens=True)
+
+    @property
+    def chat(self) -> bool:
+        return self.msgs is not None
+
+    def messages(self) -> list[dict]:
+        """The conversation the next turn answers: every message before it, earlier answers regenerated."""
+        return self.msgs[: self.todo[0]]
+
+    def where(self) -> str:
+        """The row (and the turn, in a conversation of several) for messages."""
+        turn = f" (assistant turn {len(self.finish) + 1} of {len(self.finish) + len(self.todo)})"
+        return self.row.where + (turn if self.chat and len(self.finish) + len(self.todo) > 1 else "")
+
+    def answer(self, content: str, finish: str | None, reasoning: str | None = None, tool_calls=None,
+               reasoning_field: str = "reasoning_content") -> None:
+        """The next turn's generation came back: it takes its place."""
+        i = self.todo.pop(0)
+        self.finish.append(finish)
+        if not self.chat:
+            self.text = content
+            return
+        msg = {"role": "assistant", "content": content}
+        if reasoning:
+            msg[reasoning_field] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        if i == len(self.msgs):
+            self.msgs.append(msg)
+        else:
+            self.msgs[i] = msg
+
+    def record(self) -> dict:
+        rec = dict(self.row.record)
+        if self.chat:
+            rec["messages"] = self.msgs
+        elif "completion" in rec:
+            rec["completion"] = self.text
+        else:
+            rec["text"] = self.prompt_text + self.text
+        rec["dflash_row"] = self.row.row_id
+        rec["dflash_finish_reasons"] = self.finish
+        return rec
+
+    def line(self) -> str:
+        return json.dumps(self.record(), ensure_ascii=False) + "\n"
+
+
+def chat_turns(row: Row, turns: str) -> list[int]:
+    """Indices of the messages a conversation regenerates, in order (len(messages): a new last assistant turn).
+    Assistant turns before the first user turn are kept as they are."""
+    msgs = row.record["messages"]
+    last = len(msgs) - 1 if msgs and msgs[-1]["role"] == "assistant" else len(msgs)
+    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), last)
+    if first_user >= last:
+        raise DflashError(f"{row.where}: no user turn to answer")
+    if turns == "last":
+        return [last]
+    return [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > first_user] + \
+        ([last] if last == len(msgs) else [])
+
+
+def settings(cfg: RegenerateConfig, drop: tuple[str, ...], **extra) -> dict:
+    """What OUT.meta.json keeps: the options that change the output, what names the target, the data's hashes."""
+    keep = {k: v for k, v in asdict(cfg).items() if k not in _NEVER_KEPT + drop}
+    return {**keep, **extra, "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
 
 
 def _settings(cfg: RegenerateConfig, target_path) -> dict:
@@ -51,25 +137,41 @@ def _settings(cfg: RegenerateConfig, target_path) -> dict:
     from dflash.target import config_hash, weights_fingerprint
 
     # batch_size stays: it sets the chunks, and each chunk's sampling seed
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "device", "device_map", "data", "target")}
-    return {**keep, "target_config": config_hash(AutoConfig.from_pretrained(target_path)),
-            "target_weights": weights_fingerprint(target_path),
-            "data_sha256": [f["sha256"] for f in file_fingerprints(cfg.data)]}
+    drop = tuple(k for k in SERVER_ONLY + IN_PROCESS_ONLY if k != "batch_size")
+    return settings(cfg, drop, target_config=config_hash(AutoConfig.from_pretrained(target_path)),
+                    target_weights=weights_fingerprint(target_path))
 
 
-def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
-    """Rows already written, rounded down to a whole chunk (the file is cut back there, so the resumed
-    run samples exactly as an uninterrupted one); refuses other settings."""
+def check_settings(out: Path, meta: Path, settings: dict) -> bool:
+    """Whether OUT holds a run to resume (with these settings: another run's is refused)."""
     if not out.exists():
         if meta.exists():
             meta.unlink()
-        return 0
+        return False
     if not meta.exists():
         raise DflashError(f"--out {out} exists and was not written by dflash regenerate (no {meta.name})")
     old = json.loads(meta.read_text())
     diffs = [k for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
     if diffs:
         raise DflashError(f"--out {out} was generated with other settings ({', '.join(diffs)}); use another --out")
+    return True
+
+
+def whole_lines(out: Path) -> int:
+    """The rows (whole lines) in OUT; a torn last line (a crash mid-write) is cut off."""
+    data = out.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep != len(data):
+        with out.open("r+b") as f:
+            f.truncate(keep)
+    return data.count(b"\n")
+
+
+def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
+    """Rows already written, rounded down to a whole chunk (the file is cut back there, so the resumed
+    run samples exactly as an uninterrupted one); refuses other settings."""
+    if not check_settings(out, meta, settings):
+        return 0
     data = out.read_bytes()
     lines = data.count(b"\n")
     done = lines - lines % chunk
@@ -82,7 +184,24 @@ def _resume_point(out: Path, meta: Path, settings: dict, chunk: int) -> int:
     return done
 
 
+def read_input(cfg: RegenerateConfig) -> list[Row]:
+    rows = list(read_rows(cfg.data, cfg.limit))
+    if not rows:
+        raise DflashError(f"--data {', '.join(cfg.data)}: no rows")
+    return rows
+
+
+def summary_line(out: Path, rows: int, written: int, cut: int, how: str) -> str:
+    return (f"{out}: {rows} rows; {written} regenerated in this run{how}; {cut} of them cut at --max-new-tokens "
+            f"(finish reason `length`)")
+
+
 def regenerate(cfg: RegenerateConfig) -> dict:
+    """Regenerate `cfg.data` into `cfg.out`; the summary: rows, written (this run), tokens, cut_by_length."""
+    if cfg.server is not None:
+        from dflash.regenerate_server import regenerate_via_server
+
+        return regenerate_via_server(cfg)
     from dflash.target import load_target, resolve_device, resolve_dtype, resolve_target
 
     out, meta = Path(cfg.out), Path(cfg.out + ".meta.json")
@@ -90,38 +209,58 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     settings = _settings(cfg, target_path)
     chunk = cfg.batch_size * 8  # rows sorted by prompt length within a chunk, written in order after it
     done = _resume_point(out, meta, settings, chunk)
-    rows = list(read_rows(cfg.data, cfg.limit))
-    if not rows:
-        raise DflashError(f"--data {', '.join(cfg.data)}: no rows")
+    rows = read_input(cfg)
     if done >= len(rows):
         log.info(f"{out}: all {len(rows)} rows already regenerated: nothing to do")
-        return {"rows": len(rows), "written": 0}
+        return {"rows": len(rows), "written": 0, "tokens": 0, "cut_by_length": 0}
     device = resolve_device(cfg.device)
     model, tok = load_target(target_path, device, resolve_dtype(cfg.dtype, device), device_map=cfg.device_map)
     tok.padding_side = "left"
+    jobs = [Job(r, cfg.turns, tok, cfg.prompt_tokens) for r in rows[done:]]  # bad rows stop before any work
     if done:
         log.info(f"resuming {out} at row {done} of {len(rows)}")
     bar = tqdm(total=len(rows), initial=done, unit="row", desc=f"regenerate {out.name}", dynamic_ncols=True)
-    tokens, written = 0, done
+    tokens, cut, written = 0, 0, done
     with disk_full_is_an_error(out, lambda: f"its first {written} rows are written"), bar, \
             logs.where(lambda: f"with {written} of {len(rows)} rows written; run the same command again: it resumes"):
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(meta, settings)
         with out.open("a", encoding="utf-8") as f:
             for start in range(done, len(rows), chunk):
-                part = rows[start : start + chunk]
-                prompts = [_prompt(r, tok, cfg.prompt_tokens) for r in part]
+                part = jobs[start - done : start - done + chunk]
                 torch.manual_seed(cfg.seed + start)  # sampling is reproducible chunk by chunk
-                gens = _generate(model, tok, [p[0] for p in prompts], cfg)
-                tokens += sum(len(g) for g in gens)
-                f.write("".join(json.dumps(_rewrite(row, prompts[i], gens[i], tok), ensure_ascii=False) + "\n"
-                                for i, row in enumerate(part)))  # one write per chunk
+                _run_chunk(model, tok, part, cfg)
+                tokens += sum(j.tokens for j in part)
+                cut += sum("length" in j.finish for j in part)
+                f.write("".join(j.line() for j in part))  # one write per chunk
                 f.flush()
                 os.fsync(f.fileno())
                 written = start + len(part)
                 bar.update(len(part))
-    log.info(f"{out}: {len(rows)} rows, {tokens:,} new tokens generated in this run")
-    return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens}
+    log.info(summary_line(out, len(rows), len(rows) - done, cut, f" ({tokens:,} new tokens)"))
+    return {"rows": len(rows), "written": len(rows) - done, "tokens": tokens, "cut_by_length": cut}
+
+
+def _run_chunk(model, tok, jobs: list[Job], cfg: RegenerateConfig) -> None:
+    """Every turn of every job, a round per turn: round k generates the k-th turn of each job that has one."""
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos])
+    while active := [j for j in jobs if j.todo]:
+        prompts = [_chat_ids(tok, j) if j.chat else j.prompt_ids for j in active]
+        for j, gen in zip(active, _generate(model, tok, prompts, cfg)):
+            j.tokens += len(gen)
+            j.answer(tok.decode(gen, skip_special_tokens=True), "stop" if gen and gen[-1] in stops else "length")
+
+
+def _chat_ids(tok, job: Job) -> list[int]:
+    """The conversation so far through the chat template (with the row's tools), ending with the generation
+    prompt of the assistant's next turn."""
+    try:
+        text = tok.apply_chat_template(job.messages(), tools=job.tools, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja errors: bad roles, template-specific checks; no template at all
+        raise DflashError(f"{job.where()}: the chat template refused this conversation "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def _generate(model, tok, prompts: list[list[int]], cfg: RegenerateConfig) -> list[list[int]]:
@@ -157,14 +296,3 @@ def _until_eos(ids: list[int], eos, pad) -> list[int]:
         if t in stops:
             return ids[: k + 1]
     return ids
-
-
-def _rewrite(row: Row, prompt, gen: list[int], tok) -> dict:
-    ids, kept = prompt
-    rec = dict(row.record)
-    if kept is not None:
-        rec["messages"] = kept + [{"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)}]
-    else:
-        rec["text"] = tok.decode(ids + gen, skip_special_tokens=True)
-    rec["dflash_row"] = row.row_id
-    return rec

@@ -1,4 +1,4 @@
-"""`dflash regenerate`: the target's own greedy answers, batched; resumable after SIGKILL."""
+"""`dflash regenerate` in-process: the target's own greedy answers, batched, turn by turn; resumable after SIGKILL."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TINY_TARGET, run_cli, run_in_process, sample_rows, start_cli, write_jsonl
+from conftest import SAMPLE_CHAT, TINY_TARGET, run_cli, run_in_process, sample_rows, start_cli, write_jsonl
 from dflash.spec import target_greedy
 from dflash.target import Target
 
@@ -90,3 +90,42 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(tmp_path, monkeypa
     monkeypatch.setattr(os, "fsync", real)
     assert run_in_process(args + ["--out", str(out)]).exit_code == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+def test_every_assistant_turn_given_the_conversation_so_far_or_only_the_last(tmp_path):
+    chat = [json.loads(x) for x in SAMPLE_CHAT.read_text().splitlines()]
+    src = [chat[7], {"messages": [{"role": "user", "content": "What is a list?"}]}]  # two turns; none yet
+    data = write_jsonl(tmp_path / "d.jsonl", src)
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    target = Target(AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval(), [1])
+
+    def greedy(msgs):
+        prompt = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        return tok.decode(target_greedy(target, prompt, 12, {tok.eos_token_id}), skip_special_tokens=True)
+
+    for turns in ("all", "last"):
+        out = tmp_path / f"{turns}.jsonl"
+        res = run_in_process(["regenerate", "--target", str(TINY_TARGET), "--data", str(data), "--out", str(out),
+                              "--max-new-tokens", "12", "--device", "cpu", "--turns", turns, "--json"])
+        assert res.exit_code == 0, res.output
+        (conv, fresh), old = _rows(out), src[0]["messages"]
+        msgs = conv["messages"]
+        assert [m["role"] for m in msgs] == [m["role"] for m in old] and msgs[0] == old[0] and msgs[2] == old[2]
+        assert msgs[1] == ({"role": "assistant", "content": greedy(old[:1])} if turns == "all" else old[1])
+        assert msgs[3]["content"] == greedy(msgs[:3])  # the second turn answers the conversation so far
+        assert len(conv["dflash_finish_reasons"]) == (2 if turns == "all" else 1)
+        assert fresh["messages"][1]["content"] == greedy(src[1]["messages"]) and len(fresh["messages"]) == 2
+        cut = sum("length" in r["dflash_finish_reasons"] for r in (conv, fresh))
+        assert f'"cut_by_length": {cut}' in res.output
+
+
+def test_a_row_with_no_user_turn_stops_before_any_generation(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                              {"messages": [{"role": "system", "content": "x"},
+                                                            {"role": "assistant", "content": "y"}]}])
+    out = tmp_path / "out.jsonl"
+    res = run_in_process(["regenerate", "--target", str(TINY_TARGET), "--data", str(data), "--out", str(out),
+                          "--device", "cpu"])
+    assert res.exit_code == 1 and f"error: {data}:2: no user turn to answer" in res.output
+    assert not out.exists()
