@@ -64,9 +64,15 @@ def info(path, as_json):
         + (" (one per token and layer)" if m.get("scale_block") == m["hidden_size"] else "")
         + f" (computed in {m['compute_dtype']})",
     ]
-    for layer, st in i["states"].items():
-        head = "states" if layer == next(iter(i["states"])) else ""
-        lines.append(f"{head:<13}layer {layer}: " + (
+    last = i["last_hidden"]
+    if last:
+        lines.append(f"last_hidden  the target's last hidden state {last['state']} (the LM head's input: row i "
+                     f"predicts token i+1), {last['storage_dtype']}"
+                     + (f", {_size(last['bytes_per_token'])} per token" if last["bytes_per_token"] else ""))
+    for name, st in i["states"].items():
+        head = "states" if name == next(iter(i["states"])) else ""
+        label = name if name == "last_hidden" else f"layer {name}"
+        lines.append(f"{head:<13}{label}: " + (
             f"rms {st['rms']:.4g}, |max| {st['abs_max']:.4g}, zeros {st['zero_fraction']:.2%}, non-finite "
             f"{st['nonfinite']} ({st['shards']} shards)" if st["shards"] else "no statistics (an older cache)"))
     click.echo("\n".join(lines))

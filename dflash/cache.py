@@ -4,6 +4,7 @@ Layout of a cache folder:
     zarr.json                     group; attribute "dflash" = the manifest (written last at creation)
     hidden/ input_ids/ loss_mask/ target_ids/ doc_lens/ row_ids/      the shard arrays
     hidden_scale/                 fp8 storage only: the scales of `hidden`'s e4m3 values
+    last_hidden/ (last_hidden_scale/)   `extract --last-hidden` only: the state after the final norm
     dropped_row_ids/ dropped_reasons/ truncated_row_ids/             what the plan left out or cut
     commits/00000042.json         shard 42's commit record (checksums), written last, atomically
     target_weights.safetensors    the target's embed_tokens and lm_head, for training
@@ -29,7 +30,7 @@ import zarr.storage
 
 from dflash.errors import DflashError
 from dflash.files import load_tensors, save_tensors, sha256_file, write_json_atomic, write_text_atomic
-from dflash.manifest import FORMAT_VERSION, FP8_FORMAT_VERSION, STORAGE_DTYPES, Manifest
+from dflash.manifest import FORMAT_VERSION, FP8_FORMAT_VERSION, LAST_HIDDEN_STATE, STORAGE_DTYPES, Manifest
 
 MANIFEST_ATTR = "dflash"
 COMMITS = "commits"
@@ -40,14 +41,16 @@ SHARD_ARRAYS = ("input_ids", "loss_mask", "target_ids")
 PLAN_ARRAYS = ("doc_lens", "row_ids")
 LIST_ARRAYS = ("dropped_row_ids", "dropped_reasons", "truncated_row_ids")
 # Everything a cache folder may hold: an interrupted creation leaves a subset of these.
-CACHE_ENTRIES = {"zarr.json", "hidden", "hidden_scale", *SHARD_ARRAYS, *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS,
-                 WEIGHTS_FILE, TARGET_CONFIG_FILE}
+CACHE_ENTRIES = {"zarr.json", "hidden", "hidden_scale", "last_hidden", "last_hidden_scale", *SHARD_ARRAYS,
+                 *PLAN_ARRAYS, *LIST_ARRAYS, COMMITS, WEIGHTS_FILE, TARGET_CONFIG_FILE}
 # Manifest fields hashed into the cache key: everything that changes what the cache holds.
 KEY_FIELDS = ("format_version", "target_config_hash", "target_weights", "tokenizer_hash", "chat_template_hash",
               "data_sha256", "limit", "layer_ids", "token_budget", "max_docs", "max_len", "compute_dtype",
               "storage_dtype", "packer")
-# Key fields of fp8 caches only: hashed when present, so that bf16 caches keep their keys.
-OPTIONAL_KEY_FIELDS = ("scale_block",)
+# Key fields of some caches only (fp8's scale_block, the optional last_hidden array): hashed when present, so
+# that caches without them keep their keys.
+OPTIONAL_KEY_FIELDS = ("scale_block", "last_hidden")
+LAST_HIDDEN = "last_hidden"  # the array, and its key among a record's state_stats
 
 
 STAT_KEYS = ("sum_squares", "abs_max", "zeros", "nonfinite", "values")  # a record's statistics of one layer
@@ -55,7 +58,8 @@ log = logging.getLogger(__name__)
 _RECORD_NAME = re.compile(r"[0-9]{8}")  # commits/00000042.json; ASCII digits only
 
 
-def _record_problem(record: dict, shard: int, num_layers: int, layer_arrays, token_budget: int) -> str | None:
+def _record_problem(record: dict, shard: int, num_layers: int, layer_arrays, shard_arrays,
+                    token_budget: int) -> str | None:
     """What makes a commit record unable to prove its shard, or None."""
     if record.get("shard") != shard:
         return f"it is shard {record.get('shard')!r}'s"
@@ -71,7 +75,7 @@ def _record_problem(record: dict, shard: int, num_layers: int, layer_arrays, tok
         if not (isinstance(layer_sums, list) and len(layer_sums) == num_layers
                 and all(type(x) is int for x in layer_sums)):
             return f"checksums of {name} missing or not one per layer"
-    for name in (*SHARD_ARRAYS, *PLAN_ARRAYS):
+    for name in (*shard_arrays, *PLAN_ARRAYS):
         if type(sums.get(name)) is not int:
             return f"checksum of {name} missing"
     stats = record.get("state_stats", {})
@@ -93,12 +97,32 @@ def cache_key(fields: dict) -> str:
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def storage_fields(storage: str, scale_block: int, hidden_size: int) -> dict:
-    """The manifest fields that say how `hidden` is stored. `scale_block` 0 or >= H: one scale per row."""
+def storage_fields(storage: str, scale_block: int, hidden_size: int, last_hidden: bool = False) -> dict:
+    """The manifest fields that say which states are stored and how (`last_hidden`: as `hidden`).
+    `scale_block` 0 or >= H: one scale per row."""
     if storage == "bf16":
-        return {"format_version": FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["bf16"]}
-    block = hidden_size if scale_block <= 0 else min(scale_block, hidden_size)
-    return {"format_version": FP8_FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["fp8"], "scale_block": block}
+        fields = {"format_version": FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["bf16"]}
+    else:
+        block = hidden_size if scale_block <= 0 else min(scale_block, hidden_size)
+        fields = {"format_version": FP8_FORMAT_VERSION, "storage_dtype": STORAGE_DTYPES["fp8"], "scale_block": block}
+    if last_hidden:
+        fields["last_hidden"] = {"state": LAST_HIDDEN_STATE, "storage_dtype": fields["storage_dtype"]}
+    return fields
+
+
+def state_arrays(m: Manifest) -> dict[str, tuple[tuple, tuple, str]]:
+    """name -> (shape, chunks, dtype) of the arrays that hold states: `hidden` (a chunk per layer and shard),
+    `last_hidden` when stored (a chunk per shard), and with fp8 storage each one's `_scale` array, chunked alike."""
+    S, T, L, H = m.num_shards, m.token_budget, len(m.layer_ids), m.hidden_size
+    out = {}
+    for name, lead, chunk in (("hidden", (S, T, L), (1, T, 1)), (LAST_HIDDEN, (S, T), (1, T))):
+        if name == LAST_HIDDEN and m.last_hidden is None:
+            continue
+        out[name] = ((*lead, H), (*chunk, H), "uint8" if m.fp8 else "uint16")  # e4m3 bits or bf16 bits
+        if m.fp8:
+            G = m.num_scale_groups
+            out[f"{name}_scale"] = ((*lead, G), (*chunk, G), "uint16")  # bf16 bits
+    return out
 
 
 def key_differences(old: dict, new: dict) -> list[str]:
@@ -147,7 +171,7 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
     last, so a folder without one is an interrupted creation that the next run starts over."""
     m = Manifest.parse({**manifest, "weights_sha256": ""}, str(path))  # its hash once the file is written
     S, D = plan.row_ids.shape
-    T, L, H = m.token_budget, len(m.layer_ids), m.hidden_size
+    T = m.token_budget
     group = zarr.open_group(path, mode="w")
     conf = {"write_empty_chunks": True}  # a missing chunk is then always damage, never "all fill"
 
@@ -155,12 +179,8 @@ def create_cache(path: Path, manifest: dict, plan, dropped: np.ndarray, dropped_
         return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
                                   compressors=codecs or _bytes_codecs("none"), config=conf)
 
-    if m.fp8:
-        G = m.num_scale_groups
-        array("hidden", (S, T, L, H), (1, T, 1, H), "uint8", 0, _bytes_codecs(compressor))  # e4m3 bits
-        array("hidden_scale", (S, T, L, G), (1, T, 1, G), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
-    else:
-        array("hidden", (S, T, L, H), (1, T, 1, H), "uint16", 0, _bytes_codecs(compressor))  # bf16 bits
+    for name, (shape, chunks, dtype) in state_arrays(m).items():
+        array(name, shape, chunks, dtype, 0, _bytes_codecs(compressor))
     array("input_ids", (S, T), (1, T), "int32", m.pad_id)
     array("loss_mask", (S, T), (1, T), "uint8", 0)
     array("target_ids", (S, T), (1, T), "int32", m.pad_id)
@@ -211,6 +231,8 @@ class Shard:
     doc_lens: np.ndarray  # [D] int32
     row_ids: np.ndarray  # [D] int64
     hidden_scale: np.ndarray | None = None  # fp8 storage: [T, L', G] uint16 (bf16 bits)
+    last_hidden: np.ndarray | None = None  # read with last_hidden=True: [T, H], stored as `hidden` is
+    last_hidden_scale: np.ndarray | None = None  # ... and with fp8 storage: [T, G] uint16 (bf16 bits)
 
 
 class Cache:
@@ -225,6 +247,10 @@ class Cache:
         self.fp8 = m.fp8
         # arrays with one chunk per layer per shard: the states, and with fp8 storage their scales
         self.layer_arrays = ("hidden", "hidden_scale") if self.fp8 else ("hidden",)
+        self.has_last_hidden = m.last_hidden is not None
+        # `last_hidden` (+ its scales): a chunk per shard, like the arrays extract writes beside the states
+        self.last_hidden_arrays = tuple(name for name in state_arrays(m) if name.startswith(LAST_HIDDEN))
+        self.shard_arrays = (*SHARD_ARRAYS, *self.last_hidden_arrays)  # what a commit record has one checksum of
         self.arrays = self._open_arrays(mode)
         cached = m.layer_ids
         self.layer_ids = list(cached if layers is None else layers)
@@ -236,14 +262,11 @@ class Cache:
     def _open_arrays(self, mode: str) -> dict:
         """The shard and plan arrays, each checked against the manifest's shapes and the format's dtypes."""
         m = self.manifest
-        S, T, L, H, D = m.num_shards, m.token_budget, len(m.layer_ids), m.hidden_size, m.max_docs
-        expected = {"hidden": ((S, T, L, H), (1, T, 1, H), "uint8" if self.fp8 else "uint16"),
+        S, T, D = m.num_shards, m.token_budget, m.max_docs
+        expected = {**state_arrays(m),
                     "input_ids": ((S, T), (1, T), "int32"), "loss_mask": ((S, T), (1, T), "uint8"),
                     "target_ids": ((S, T), (1, T), "int32"), "doc_lens": ((S, D), (1, D), "int32"),
                     "row_ids": ((S, D), (1, D), "int64")}
-        if self.fp8:
-            G = m.num_scale_groups
-            expected["hidden_scale"] = ((S, T, L, G), (1, T, 1, G), "uint16")
         try:
             self.group = zarr.open_group(self.path, mode=mode)
             arrays = {name: self.group[name] for name in expected}
@@ -275,14 +298,26 @@ class Cache:
 
     def states(self, shard: Shard, device, dtype):
         """The shard's states as a [T, L', H] tensor of `dtype` on `device` (fp8: dequantised there)."""
+        return self._decode(shard.hidden, shard.hidden_scale, device, dtype)
+
+    def last_states(self, shard: Shard, device, dtype):
+        """The shard's `last_hidden` (read with `read_shard(i, last_hidden=True)`) as a [T, H] tensor: the target's
+        last hidden state after its final norm, row i giving the logits for token i+1 through the LM head."""
+        if shard.last_hidden is None:
+            raise DflashError(f"{self.path}: shard {shard.index} was read without last_hidden "
+                              f"(read_shard(..., last_hidden=True))")
+        return self._decode(shard.last_hidden, shard.last_hidden_scale, device, dtype)
+
+    def _decode(self, bits: np.ndarray, scale_bits: np.ndarray | None, device, dtype):
+        """Stored states [..., H] (bf16 bits, or e4m3 bits with their scales [..., G]) -> `dtype` on `device`."""
         import torch
 
         from dflash import fp8
 
         if not self.fp8:
-            return fp8.bf16_from_bits(shard.hidden).to(device).to(dtype)
-        q = torch.from_numpy(np.ascontiguousarray(shard.hidden)).to(device)
-        return fp8.dequantize(q, fp8.bf16_from_bits(shard.hidden_scale).to(device), self.scale_block, dtype)
+            return fp8.bf16_from_bits(bits).to(device).to(dtype)
+        q = torch.from_numpy(np.ascontiguousarray(bits)).to(device)
+        return fp8.dequantize(q, fp8.bf16_from_bits(scale_bits).to(device), self.scale_block, dtype)
 
     @property
     def num_shards(self) -> int:
@@ -311,7 +346,8 @@ class Cache:
             return None, f"commit record unreadable ({type(e).__name__})"
         if not isinstance(record, dict) or record.get("cache_key") != self.manifest.cache_key:
             return None, None  # another cache's (extract writes this shard anew)
-        problem = _record_problem(record, shard, len(self.manifest.layer_ids), self.layer_arrays, self.token_budget)
+        problem = _record_problem(record, shard, len(self.manifest.layer_ids), self.layer_arrays, self.shard_arrays,
+                                  self.token_budget)
         return (None, f"commit record damaged: {problem}") if problem else (record, None)
 
     def _record_files(self) -> dict[int, Path]:
@@ -362,24 +398,28 @@ class Cache:
 
     def write_shard(self, shard: int, hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,
                     target_ids: np.ndarray, pool=None, hidden_scale: np.ndarray | None = None,
-                    state_stats: dict | None = None) -> None:
+                    state_stats: dict | None = None, last_hidden: np.ndarray | None = None,
+                    last_hidden_scale: np.ndarray | None = None) -> None:
         """Write one shard's arrays (chunks in parallel on `pool`, a thread pool), then its commit
         record. `hidden` is [L, T, H] uint16 (bf16 bits) or uint8 (e4m3 bits, with `hidden_scale`
-        [L, T, G] uint16): one contiguous [T, ...] block per chunk. `state_stats`: per layer id, what its
-        states look like (kept in the record; `info` sums them)."""
-        layered = {"hidden": hidden, "hidden_scale": hidden_scale}
-        if (hidden_scale is not None) != self.fp8:
-            raise ValueError(f"{self.path}: hidden_scale is {'required' if self.fp8 else 'not used'} here")
+        [L, T, G] uint16): one contiguous [T, ...] block per chunk; `last_hidden` [T, H] (with fp8,
+        `last_hidden_scale` [T, G]) likewise, in a cache that stores it. `state_stats`: per layer id (and
+        `last_hidden`), what its states look like (kept in the record; `info` sums them)."""
+        given = {"hidden": hidden, "hidden_scale": hidden_scale, "input_ids": input_ids, "loss_mask": loss_mask,
+                 "target_ids": target_ids, "last_hidden": last_hidden, "last_hidden_scale": last_hidden_scale}
+        wanted = {*self.layer_arrays, *self.shard_arrays}
+        wrong = [name for name, a in given.items() if (a is not None) != (name in wanted)]
+        if wrong:
+            raise ValueError(f"{self.path}: {wrong[0]} is {'required' if wrong[0] in wanted else 'not used'} here")
         jobs = [(name, (shard, 0, slot, 0), block) for name in self.layer_arrays
-                for slot, block in enumerate(layered[name])]
-        jobs += [(name, (shard, 0), values) for name, values in
-                 (("input_ids", input_ids), ("loss_mask", loss_mask), ("target_ids", target_ids))]
+                for slot, block in enumerate(given[name])]
+        jobs += [(name, self._shard_chunk(name, shard), given[name]) for name in self.shard_arrays]
         sums = list(pool.map(lambda job: self._write_chunk(*job), jobs)) if pool else \
             [self._write_chunk(*j) for j in jobs]
         crcs, i = {}, 0
         for name in self.layer_arrays:
             crcs[name], i = sums[i : i + len(hidden)], i + len(hidden)
-        crcs.update(zip(SHARD_ARRAYS, sums[i:]))
+        crcs.update(zip(self.shard_arrays, sums[i:]))
         row_ids, doc_lens = self.arrays["row_ids"][shard], self.arrays["doc_lens"][shard]
         record = {"shard": shard, "cache_key": self.manifest.cache_key, "docs": int((row_ids >= 0).sum()),
                   "tokens": int(doc_lens.sum()), "loss_tokens": int(loss_mask.sum()),
@@ -387,6 +427,10 @@ class Cache:
         if state_stats is not None:
             record["state_stats"] = state_stats
         write_json_atomic(self._record_path(shard), record, indent=None)  # the record is either whole or absent
+
+    def _shard_chunk(self, name: str, shard: int) -> tuple:
+        """The chunk coordinates of an array with one chunk per shard: (shard, 0, ...)."""
+        return (shard,) + (0,) * (self.arrays[name].ndim - 1)
 
     def _write_chunk(self, name: str, coords: tuple, block: np.ndarray) -> int:
         """Write the chunk at `coords` (one whole chunk) and return the crc32c of its bytes.
@@ -420,13 +464,15 @@ class Cache:
 
     # -- reading ------------------------------------------------------------------------------------
 
-    def read_shard(self, shard: int, verify: bool = True) -> Shard:
-        """One committed shard, reading only the chunks of the opened layers. With `verify`, the bytes
-        are checked against the commit record, which also catches a chunk deleted from disk."""
-        T, D = self.token_budget, self.manifest.max_docs
+    def read_shard(self, shard: int, verify: bool = True, last_hidden: bool = False) -> Shard:
+        """One committed shard, reading only the chunks of the opened layers (and, with `last_hidden`, those of
+        the `last_hidden` array). With `verify`, the bytes are checked against the commit record, which also
+        catches a chunk deleted from disk."""
+        if last_hidden and not self.has_last_hidden:
+            raise DflashError(f"{self.path}: the cache holds no last_hidden (extract it with --last-hidden)")
         layered = self.layer_buffers()
-        out = {name: np.empty(T if name in SHARD_ARRAYS else D, self.arrays[name].dtype)
-               for name in (*SHARD_ARRAYS, *PLAN_ARRAYS)}
+        out = {name: np.empty(self.arrays[name].shape[1:], self.arrays[name].dtype)
+               for name in (*SHARD_ARRAYS, *PLAN_ARRAYS, *(self.last_hidden_arrays if last_hidden else ()))}
         self.read_shard_into(shard, layered["hidden"], out, verify, layered.get("hidden_scale"))
         scale = layered.get("hidden_scale")
         return Shard(shard, layered["hidden"].transpose(1, 0, 2), **out,
@@ -437,7 +483,7 @@ class Cache:
         """Read a committed shard into given buffers (the loader's pinned memory): hidden [L', T, H]
         (uint16 bf16 bits, or uint8 e4m3 bits with hidden_scale [L', T, G]), layer-major, so each chunk
         lands in one contiguous block; `arrays` holds any of input_ids, loss_mask, target_ids, doc_lens,
-        row_ids."""
+        row_ids (and last_hidden, last_hidden_scale of a cache that stores them)."""
         record, problem = self._record(shard)
         if problem:
             raise CorruptShardError(self.path, shard, problem)
@@ -454,7 +500,7 @@ class Cache:
                 if verify and crc != sums[name][slot]:
                     raise CorruptShardError(self.path, shard, f"{what}: checksum mismatch")
         for name, buf in arrays.items():
-            crc = self._read_chunk_into(shard, name, (shard, 0), buf, name)
+            crc = self._read_chunk_into(shard, name, self._shard_chunk(name, shard), buf, name)
             if verify and crc != sums[name]:
                 raise CorruptShardError(self.path, shard, f"{name}: checksum mismatch")
         problem = self._value_problem(arrays, record)
@@ -524,7 +570,8 @@ def info(path: str | Path) -> dict:
     sizes = disk_bytes_by_entry(cache.path)
     size = sum(sizes.values())
     side = sizes.get(WEIGHTS_FILE, 0) + sizes.get(TARGET_CONFIG_FILE, 0)
-    states = sum(sizes.get(name, 0) for name in cache.layer_arrays)
+    states = sum(sizes.get(name, 0) for name in (*cache.layer_arrays, *cache.last_hidden_arrays))
+    last = sum(sizes.get(name, 0) for name in cache.last_hidden_arrays)
     return {
         "path": str(cache.path),
         "cache_key": m.cache_key,
@@ -538,25 +585,27 @@ def info(path: str | Path) -> dict:
         "bytes_on_disk": size,
         "bytes_per_token": size / done_tokens if done_tokens else None,
         "shard_bytes_per_token": (size - side) / done_tokens if done_tokens else None,  # without the weights
-        "state_bytes_per_token": states / done_tokens if done_tokens else None,  # hidden (+ hidden_scale) only
+        "state_bytes_per_token": states / done_tokens if done_tokens else None,  # hidden, last_hidden (+ scales)
         "storage": {"dtype": m.storage_dtype, "scale_block": m.scale_block},
-        "states": state_summary(records, m.layer_ids),
+        "last_hidden": None if m.last_hidden is None else {
+            **dataclasses.asdict(m.last_hidden), "bytes_per_token": last / done_tokens if done_tokens else None},
+        "states": state_summary(records, [*map(str, m.layer_ids), *([LAST_HIDDEN] if cache.has_last_hidden else [])]),
         "manifest": m.to_dict(),
     }
 
 
-def state_summary(records: list[dict], layer_ids: list[int]) -> dict:
-    """Per layer id, over the committed shards whose records hold statistics: RMS, largest |value|, share of
-    exact zeros, non-finite values, and how many shards were counted (older caches have none)."""
+def state_summary(records: list[dict], names: list[str]) -> dict:
+    """Per layer id (and `last_hidden`), over the committed shards whose records hold statistics: RMS, largest
+    |value|, share of exact zeros, non-finite values, and how many shards were counted (older caches have none)."""
     out = {}
-    for layer in layer_ids:
-        parts = [r["state_stats"][str(layer)] for r in records if str(layer) in r.get("state_stats", {})]
+    for name in names:
+        parts = [r["state_stats"][name] for r in records if name in r.get("state_stats", {})]
         values = sum(p["values"] for p in parts)
-        out[str(layer)] = {"shards": len(parts),
-                           "rms": (sum(p["sum_squares"] for p in parts) / values) ** 0.5 if values else None,
-                           "abs_max": max((p["abs_max"] for p in parts), default=None),
-                           "zero_fraction": sum(p["zeros"] for p in parts) / values if values else None,
-                           "nonfinite": sum(p["nonfinite"] for p in parts)}
+        out[name] = {"shards": len(parts),
+                     "rms": (sum(p["sum_squares"] for p in parts) / values) ** 0.5 if values else None,
+                     "abs_max": max((p["abs_max"] for p in parts), default=None),
+                     "zero_fraction": sum(p["zeros"] for p in parts) / values if values else None,
+                     "nonfinite": sum(p["nonfinite"] for p in parts)}
     return out
 
 
@@ -574,7 +623,7 @@ def verify(path: str | Path, progress=None) -> list[tuple[int, str]]:
     shards = cache.committed()
     for s in progress(shards) if progress else shards:
         try:
-            cache.read_shard(s, verify=True)
+            cache.read_shard(s, verify=True, last_hidden=cache.has_last_hidden)
         except CorruptShardError as e:
             bad.append((s, e.detail))
     return bad

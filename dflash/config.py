@@ -99,6 +99,10 @@ class ExtractConfig(_Checked):
     ~half the bytes on disk, in host memory and in host-to-device copies)."""
     scale_block: int = 128
     """fp8 storage: channels sharing one scale (0: one scale per token and layer)."""
+    last_hidden: bool = False
+    """Also store the target's last hidden state after its final norm (`last_hidden`, row i predicting token
+    i+1, stored like `hidden`): what DSpark-style drafters train their head on. One more hidden-size state per
+    token."""
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None: transformers' choice."""
     device_map: str | None = None
@@ -135,6 +139,11 @@ class DrafterConfig(_Checked):
     the target layers as the cache holds them. Its fields are options of `dflash train` (`--num-layers`, ...),
     and keys of the preset's `[train]` table, except those marked `from_target`."""
 
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    """`dflash`: the DFlash drafter. `dflash2`: DFlash2, the same layers with a grouped dynamic causal convolution
+    inside each block around every attention and MLP sublayer, and a low-rank candidate selector that rescores the
+    top-K tokens of each slot given the token drafted before it (exported as `DFlash2DraftModel`, which vLLM and
+    SGLang serve)."""
     num_layers: int = 5
     """Drafter depth."""
     block_size: int = 16
@@ -159,6 +168,14 @@ class DrafterConfig(_Checked):
     """RoPE base (None: the target's)."""
     mask_token_id: int | None = None
     """The MASK token id (None: `dflash_mask_token_id` of the target's config)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each convolution (a token and the ones before it in its block, K - 1 at most)."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap weight (must divide the hidden size)."""
+    selector_rank: int = 256
+    """dflash2: rank of the candidate selector (its hidden projection and its two [vocab, rank] codebooks)."""
+    selector_top_k: int = 16
+    """dflash2: candidates per slot the selector chooses from (the unary logits' top K)."""
     hidden_size: int | None = field(default=None, metadata=FROM_TARGET)
     """The target's hidden size (the drafter reads its states and borrows its embeddings and head)."""
     vocab_size: int | None = field(default=None, metadata=FROM_TARGET)
@@ -178,6 +195,16 @@ class DrafterConfig(_Checked):
         if self.sliding_window is not None and self.sliding_window < self.block_size:
             raise DflashError(f"--sliding-window {self.sliding_window} is shorter than the block "
                               f"(--block-size {self.block_size}): a slot must see its own block")
+        self._at_least(1, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        if self.conv_kernel_size > self.block_size:
+            raise DflashError(f"--conv-kernel-size {self.conv_kernel_size} is longer than the block "
+                              f"(--block-size {self.block_size}): its taps never reach past the block's start")
+        if self.hidden_size is not None and self.hidden_size % self.conv_group_size:
+            raise DflashError(f"--conv-group-size {self.conv_group_size} does not divide the hidden size "
+                              f"{self.hidden_size}")
+        if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
+            raise DflashError(f"--selector-top-k {self.selector_top_k} is more than the vocabulary "
+                              f"({self.vocab_size} tokens)")
 
     def unresolved(self) -> list[str]:
         """Fields still waiting for the target's value."""
@@ -245,6 +272,10 @@ class TrainConfig(_Checked):
     labels: Literal["target", "data"] = "target"
     """`target`: learn the target's own greedy predictions (what acceptance is measured against);
     `data`: the data's next tokens."""
+    selector_loss_alpha: float = 1.0
+    """`--arch dflash2`: weight of the candidate selector's loss (the K-way cross-entropy over each slot's top-K
+    unary candidates, the label put in last place when missing, weighted per slot as the unary loss) beside
+    the unary loss; 0 trains the selector not at all."""
     mask_token_id: int | None = None
     """The MASK token id (None: `dflash_mask_token_id` of the target's config)."""
     lr: float = 6e-4
@@ -344,6 +375,8 @@ class TrainConfig(_Checked):
             raise DflashError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.dpace_alpha <= 1:
             raise DflashError(f"--dpace-alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.selector_loss_alpha < 0:
+            raise DflashError(f"--selector-loss-alpha must be >= 0, got {self.selector_loss_alpha}")
         if self.gamma is not None and self.gamma <= 0:
             raise DflashError(f"--gamma must be > 0, got {self.gamma}")
         if not 0 <= self.warmup < 1:

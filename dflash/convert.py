@@ -1,7 +1,8 @@
 """`dflash cache convert`: rewrite a bf16 cache with fp8 storage, without the target.
 
-The new cache has the source's plan, tokens, predictions, weights and target config; only `hidden` is
-re-encoded (e4m3 + scales, as `dflash extract --storage fp8` writes it from the same bf16 states), so
+The new cache has the source's plan, tokens, predictions, weights and target config; only the states
+(`hidden`, and `last_hidden` where the source has it) are re-encoded (e4m3 + scales, as `dflash extract
+--storage fp8` writes them from the same bf16 states), so
 its key differs from the source's by the storage fields alone. Every source shard is checked against
 its commit record as it is read; the source is opened read-only. Shards are committed one by one, so a
 killed conversion resumes where it stopped.
@@ -76,8 +77,9 @@ def _convert(src, out: Path, storage: str, scale_block: int, device: str, write_
 
 def converted_manifest(src: cachelib.Cache, storage: str, scale_block: int) -> dict:
     """The source's manifest with the new storage, hence a new key."""
-    m = {k: v for k, v in src.manifest.to_dict().items() if k not in ("cache_key", "weights_sha256", "scale_block")}
-    m.update(cachelib.storage_fields(storage, scale_block, m["hidden_size"]))
+    m = {k: v for k, v in src.manifest.to_dict().items()
+         if k not in ("cache_key", "weights_sha256", "scale_block", "last_hidden")}
+    m.update(cachelib.storage_fields(storage, scale_block, m["hidden_size"], src.has_last_hidden))
     m["cache_key"] = cachelib.cache_key(m)
     m["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     m["dflash_version"] = dflash.__version__
@@ -100,10 +102,17 @@ def _create(out: Path, src: cachelib.Cache, manifest: dict) -> None:
 
 
 def _convert_shard(src: cachelib.Cache, dst: cachelib.Cache, s: int, device, pool) -> None:
-    shard = src.read_shard(s, verify=True)  # a corrupt source shard stops the conversion, named
+    # a corrupt source shard stops the conversion, named
+    shard = src.read_shard(s, verify=True, last_hidden=src.has_last_hidden)
+
+    def quantize(bits):  # [T, H] bf16 bits -> e4m3 bits [T, H], scale bits [T, G]
+        q, scale = fp8.quantize(fp8.bf16_from_bits(bits).to(device), dst.scale_block)
+        return q.cpu().numpy(), fp8.to_bits(scale.cpu())
+
     buffers = dst.layer_buffers()  # [L, T, H] e4m3 bits, [L, T, G] scale bits
     for layer in range(shard.hidden.shape[1]):  # one layer at a time: bounded memory on any device
-        q, scale = fp8.quantize(fp8.bf16_from_bits(shard.hidden[:, layer]).to(device), dst.scale_block)
-        buffers["hidden"][layer], buffers["hidden_scale"][layer] = q.cpu().numpy(), fp8.to_bits(scale.cpu())
+        buffers["hidden"][layer], buffers["hidden_scale"][layer] = quantize(shard.hidden[:, layer])
+    last, last_scale = quantize(shard.last_hidden) if src.has_last_hidden else (None, None)
     dst.write_shard(s, buffers["hidden"], shard.input_ids, shard.loss_mask, shard.target_ids, pool,
-                    hidden_scale=buffers["hidden_scale"], state_stats=src.commit_record(s).get("state_stats"))
+                    hidden_scale=buffers["hidden_scale"], state_stats=src.commit_record(s).get("state_stats"),
+                    last_hidden=last, last_hidden_scale=last_scale)

@@ -8,6 +8,11 @@ target's hidden states by KV injection. Pure module: no data handling, no loss.
     logits = target_lm_head(norm(h))
 
 The embeddings and the LM head are the target's, frozen (buffers: never trained, never saved).
+
+`Drafter` is also the interface every architecture implements (`architectures()`, the one place one is chosen by
+`DrafterConfig.arch`): its layers (`layer_class`), its loss terms beside the unary cross-entropy (`extra_loss`),
+its greedy draft from the final states (`propose`) and what its export says (`architecture`, `export_keys`,
+`format_refusal`). DFlash2 (`dflash.dflash2`) overrides them.
 """
 
 from __future__ import annotations
@@ -109,20 +114,32 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def attention(self, y, ctx_kv, rope_q, attend) -> torch.Tensor:
+        """The attention sublayer's output for residual states y [N, H] (before the residual add)."""
+        return self.self_attn(self.input_layernorm(y), ctx_kv, rope_q, attend)
+
+    def feed_forward(self, y) -> torch.Tensor:
+        """The MLP sublayer's output for residual states y [N, H] (before the residual add)."""
+        return self.mlp(self.post_attention_layernorm(y))
+
     def forward(self, x, ctx_kv, rope_q, attend, recompute: str = "none"):
         """`recompute` (`mlp`, `attention`): that sublayer (with its norm) keeps only its input for the backward."""
         def attention(y):
-            return self.self_attn(self.input_layernorm(y), ctx_kv, rope_q, attend)
-
-        def mlp(y):
-            return self.mlp(self.post_attention_layernorm(y))
+            return self.attention(y, ctx_kv, rope_q, attend)
 
         x = x + (recomputed(attention, x) if recompute == "attention" else attention(x))
-        return x + (recomputed(mlp, x) if recompute == "mlp" else mlp(x))
+        return x + (recomputed(self.feed_forward, x) if recompute == "mlp" else self.feed_forward(x))
 
 
 class Drafter(nn.Module):
     """Parameters are those of the reference export (`layers.{i}...`, `fc`, `hidden_norm`, `norm`)."""
+
+    layer_class = Layer
+    architecture = "DFlashDraftModel"  # the export's `architectures`: what the servers pick their model by
+    export_keys: tuple[str, ...] = ()  # DrafterConfig fields an export writes into dflash_config (and reads back)
+    candidates = 0  # top-K unary candidates of each slot the objective hands to `extra_loss` (0: none)
+    # a zlab export writes `is_causal` always (True), or only where the layer types alone would mislead (DFlash)
+    explicit_causality = False
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
@@ -132,8 +149,9 @@ class Drafter(nn.Module):
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.add_modules(cfg)
         # the target's, frozen: buffers so that optimizers, state_dict and DDP leave them alone
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach(), persistent=False)
@@ -141,14 +159,25 @@ class Drafter(nn.Module):
         self.register_buffer("rope_sin", None, persistent=False)
         self.reset_parameters()
 
+    def add_modules(self, cfg: DrafterConfig) -> None:
+        """Modules an architecture adds beside the layers, before the parameters are initialised (DFlash: none)."""
+
+    def own_parameters(self) -> set[str]:
+        """Parameters an architecture initialises itself, after the others (DFlash: none)."""
+        return set()
+
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:
+    def reset_parameters(self, std: float = 0.02, seed: int = 0) -> torch.Generator:
+        """Norms 1, every other weight normal(0, std), drawn in parameter order from `seed` (`own_parameters`
+        skipped: the same seed gives every architecture the same backbone). Returns the generator, for them."""
         g = torch.Generator().manual_seed(seed)
+        own = self.own_parameters()
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
+            elif name not in own:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+        return g
 
     def cache_rope(self, positions: int) -> None:
         """Keep the RoPE tables of positions 0 .. positions-1 for a compiled step to read (`rope`)."""
@@ -199,3 +228,64 @@ class Drafter(nn.Module):
             else:
                 x = layer(x, kv, rope_q, attend, recompute)
         return self.norm(x)
+
+    # -- what an architecture adds: its own loss terms, its greedy draft, its export -------------------------
+
+    def extra_loss(self, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, candidates, prev: torch.Tensor,
+                   alpha: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Loss terms beside the unary cross-entropy, for the rows h [R, H] (slots 1..B-1 of A blocks) with labels
+        [R], constant row weights [R], the unary logits' top-K `candidates` (values, indices [R, K]) and the data's
+        token before each slot, prev [A, B-1]: (their weighted sum, the greedy drafts [A, B-1]), or None (DFlash:
+        nothing more; its drafts are the unary argmax)."""
+        return None
+
+    def head_chunks(self, h: torch.Tensor, chunk: int = 1024):
+        """The frozen head's logits of states h [..., H], `chunk` rows at a time ([rows, V] never at once)."""
+        rows = h.reshape(-1, h.shape[-1]).to(self.head_weight.dtype)
+        for i in range(0, rows.shape[0], chunk):
+            yield rows[i : i + chunk] @ self.head_weight.t()
+
+    def propose(self, h: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The greedy drafts [n, B-1] of blocks whose slots 1..B-1 have final states h [n, B-1, H] and whose anchors
+        are the tokens anchor_ids [n]: DFlash takes each slot's argmax."""
+        return torch.cat([logits.argmax(-1) for logits in self.head_chunks(h)]).view(h.shape[:-1])
+
+    @classmethod
+    def own_sizes(cls, cfg: DrafterConfig) -> tuple[int, int]:
+        """(parameters an architecture adds to DFlash's, the largest one's size): the memory plan's (DFlash: none)."""
+        return 0, 0
+
+    @classmethod
+    def own_activations(cls, cfg: DrafterConfig, num_anchors: int, recompute: str) -> int:
+        """Bytes an architecture's own parts keep for the backward of a bf16 step of A anchors, beyond what DFlash's
+        layers keep (`dflash.memory`; DFlash: none)."""
+        return 0
+
+    @classmethod
+    def format_refusal(cls, cfg: DrafterConfig, fmt: str) -> str | None:
+        """Why the export layout `fmt` would be served otherwise than this drafter was trained (None: it would not).
+        DFlash's `zlab` layout: SGLang takes the causality from the layer types alone (it reads no `is_causal`)."""
+        if fmt == "zlab" and cfg.causal_block != (cfg.sliding_window is not None):
+            how = ("--causal-block without --sliding-window: SGLang serves full_attention layers with the whole block"
+                   if cfg.causal_block else
+                   "--sliding-window without --causal-block: SGLang serves sliding_attention layers causally inside "
+                   "the block (it reads no is_causal)")
+            return (f"--format zlab: {how}; export --format speculators (vLLM serves it as trained) or train "
+                    f"with{'out' if cfg.causal_block else ''} --causal-block")
+        return None
+
+
+def architectures() -> dict[str, type[Drafter]]:
+    """`DrafterConfig.arch` -> its module class: the one place an architecture is chosen."""
+    from dflash.dflash2 import DFlash2
+
+    return {"dflash": Drafter, "dflash2": DFlash2}
+
+
+def drafter_class(cfg: DrafterConfig) -> type[Drafter]:
+    return architectures()[cfg.arch]
+
+
+def build_drafter(cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> Drafter:
+    """The drafter `cfg` describes (its `arch`), on the target's embeddings and head [V, H]."""
+    return drafter_class(cfg)(cfg, embed_weight, head_weight)

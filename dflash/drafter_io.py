@@ -6,12 +6,15 @@ the layouts the serving engines load, and write the export (`dflash export`) in 
                                         DFlashDraftModel load): the Qwen3 fields + architectures
                                         ["DFlashDraftModel"], block_size (top level and in dflash_config),
                                         num_target_layers, dflash_config {mask_token_id, target_layer_ids},
-                                        layer_types, sliding_window.
+                                        layer_types, sliding_window. A DFlash2 drafter: architectures
+                                        ["DFlash2DraftModel"], dflash_config also {conv_kernel_size,
+                                        conv_group_size, selector_rank, selector_top_k}, is_causal always.
                                         `--format speculators` (what vLLM auto-detects): speculators_model_type,
                                         speculators_config {algorithm, proposal_methods, verifier, ...},
                                         transformer_layer_config (the Qwen3 fields), aux_hidden_state_layer_ids
                                         (our layer ids + 1), mask_token_id, block_size, sliding_window_non_causal
-    EXPORT/model.safetensors            layers.{i}.*, fc, hidden_norm, norm: no embeddings, no LM head
+    EXPORT/model.safetensors            layers.{i}.*, fc, hidden_norm, norm (DFlash2: layers.{i}.attention_conv /
+                                        mlp_conv.*, candidate_selector.*): no embeddings, no LM head
                                         (the target's are used)
     EXPORT/README.md                    a model card: how to serve it
 
@@ -31,7 +34,7 @@ import torch
 
 from dflash import checkpoint
 from dflash.config import DrafterConfig, hf_widths
-from dflash.drafter import Drafter
+from dflash.drafter import Drafter, architectures, build_drafter, drafter_class
 from dflash.errors import DflashError
 from dflash.files import disk_full_is_an_error, load_tensors, save_tensors, write_text_atomic
 
@@ -72,13 +75,16 @@ def qwen3_fields(cfg: DrafterConfig) -> dict:
 
 def to_zlab(cfg: DrafterConfig, num_target_layers: int) -> dict:
     """The reference layout. `block_size` sits at the top level (what older loaders read) and in
-    dflash_config (what newer ones prefer); `is_causal` is written only where it says what the layer types
-    alone would not (SGLang reads none: `check_servable` refuses those exports)."""
-    hf = {"architectures": ["DFlashDraftModel"], **qwen3_fields(cfg), "block_size": cfg.block_size,
+    dflash_config (what newer ones prefer); the architecture's own keys (`Drafter.export_keys`) in dflash_config.
+    DFlash writes `is_causal` only where it says what the layer types alone would not (SGLang reads none:
+    `check_servable` refuses those exports); DFlash2 always, as its released config does."""
+    arch = drafter_class(cfg)
+    hf = {"architectures": [arch.architecture], **qwen3_fields(cfg), "block_size": cfg.block_size,
           "num_target_layers": num_target_layers,
           "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                            "target_layer_ids": list(cfg.target_layer_ids)}}
-    if cfg.causal_block != (cfg.sliding_window is not None):
+                            "target_layer_ids": list(cfg.target_layer_ids),
+                            **{k: getattr(cfg, k) for k in arch.export_keys}}}
+    if arch.explicit_causality or cfg.causal_block != (cfg.sliding_window is not None):
         hf["is_causal"] = cfg.causal_block
     return hf
 
@@ -116,7 +122,8 @@ def from_hf(hf: dict, where: str = "config.json") -> DrafterConfig:
     as vLLM reads `sliding_window_non_causal`)."""
     if "speculators_model_type" in hf:
         if hf["speculators_model_type"] != "dflash":
-            raise DflashError(f"{where}: a {hf['speculators_model_type']!r} speculator, not a DFlash drafter")
+            raise DflashError(f"{where}: a {hf['speculators_model_type']!r} speculator, not a DFlash drafter (dflash "
+                              f"reads DFlash2 drafters in the zlab layout, as vLLM serves them)")
         layer = hf["transformer_layer_config"]
         window = _window(layer, {}, where)
         causal = not hf.get("sliding_window_non_causal", True)  # as vLLM serves it: one causality for all layers
@@ -126,11 +133,27 @@ def from_hf(hf: dict, where: str = "config.json") -> DrafterConfig:
     dflash = hf.get("dflash_config") or {}
     if "target_layer_ids" not in dflash:
         raise DflashError(f"{where}: no dflash_config.target_layer_ids (not a DFlash drafter)")
+    arch, cls = next(((a, c) for a, c in architectures().items() if c.architecture in (hf.get("architectures") or [])),
+                     ("dflash", Drafter))
+    missing = [k for k in cls.export_keys if k not in dflash]
+    if missing:
+        raise DflashError(f"{where}: a {cls.architecture} without dflash_config.{missing[0]}")
+    for key, neutral in UNSUPPORTED.items():
+        if dflash.get(key) is not None and not neutral(dflash[key]):
+            raise DflashError(f"{where}: dflash_config.{key} {dflash[key]}: dflash's drafters apply none (they would "
+                              f"draft otherwise than the servers)")
     window = _window(hf, dflash, where)
     causal = hf.get("is_causal", dflash.get("causal", window is not None))
     return _drafter(hf, where, block_size=dflash.get("block_size", hf.get("block_size", 16)),
                     mask_token_id=dflash.get("mask_token_id", hf.get("mask_token_id")),
-                    target_layer_ids=dflash["target_layer_ids"], sliding_window=window, causal_block=bool(causal))
+                    target_layer_ids=dflash["target_layer_ids"], sliding_window=window, causal_block=bool(causal),
+                    arch=arch, **{k: dflash[k] for k in cls.export_keys})
+
+
+# dflash_config keys the servers read that change the draft (the logits' scale and soft cap, the block embeddings'
+# scale), and when they change nothing
+UNSUPPORTED = {"output_multiplier": lambda v: v == 1, "final_logit_softcapping": lambda v: v <= 0,
+               "input_embedding_scale": lambda v: v == 1}
 
 
 def _window(hf: dict, dflash: dict, where: str) -> int | None:
@@ -177,13 +200,9 @@ def check_servable(cfg: DrafterConfig, fmt: str, num_target_layers: int) -> None
     if list(cfg.target_layer_ids) != sorted(set(cfg.target_layer_ids)):
         raise DflashError(f"target layers {cfg.target_layer_ids} are not increasing: servers concatenate the "
                           f"target's states in layer order")
-    if fmt == "zlab" and cfg.causal_block != (cfg.sliding_window is not None):
-        how = ("--causal-block without --sliding-window: SGLang serves full_attention layers with the whole block"
-               if cfg.causal_block else
-               "--sliding-window without --causal-block: SGLang serves sliding_attention layers causally inside the "
-               "block (it reads no is_causal)")
-        raise DflashError(f"--format zlab: {how}; export --format speculators (vLLM serves it as trained) or train "
-                          f"with{'out' if cfg.causal_block else ''} --causal-block")
+    refusal = drafter_class(cfg).format_refusal(cfg, fmt)
+    if refusal:
+        raise DflashError(refusal)
 
 
 def read_run(run: Path, what: str = "") -> tuple[dict, Path]:
@@ -232,18 +251,22 @@ def load_drafter(path: str | Path, embed: torch.Tensor, head: torch.Tensor, avai
     if missing:
         raise DflashError(f"--drafter {path} reads target layers {missing} that the cache does not hold "
                           f"(it holds {available_layers})")
-    drafter = Drafter(dcfg, embed, head).to(device)
+    drafter = build_drafter(dcfg, embed, head).to(device)
     copy_weights(drafter, weights, f"--drafter {path}")
     return drafter.to(embed.dtype).eval(), info
 
 
 def check_weights(cfg: DrafterConfig, weights: dict, what: str) -> dict:
-    """`weights` by the drafter's parameter names (a `model.` prefix some checkpoints carry dropped), each of
-    the shape the drafter of `cfg` has and finite; otherwise one line naming the first that is not."""
+    """`weights` by the drafter's parameter names (a `model.` prefix some checkpoints carry dropped, a `.weight`
+    suffix too where the drafter's parameter has none: DFlash2's codebooks saved as embeddings), each of the shape
+    the drafter of `cfg` has and finite; otherwise one line naming the first that is not."""
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
     with torch.device("meta"):  # shapes only: nothing allocated
         V, H = cfg.vocab_size, cfg.hidden_size
-        expected = {n: p.shape for n, p in Drafter(cfg, torch.empty(V, H), torch.empty(V, H)).named_parameters()}
+        expected = {n: p.shape for n, p in build_drafter(cfg, torch.empty(V, H), torch.empty(V, H)).named_parameters()}
+    for name in expected:
+        if name not in weights and f"{name}.weight" in weights:
+            weights[name] = weights.pop(f"{name}.weight")
     for name, shape in expected.items():
         if name not in weights:
             raise DflashError(f"{what}: the weights lack {name}")
@@ -305,14 +328,15 @@ def model_card(cfg: DrafterConfig, fmt: str, target: str, out: Path, step: int) 
                  f"a sliding window of {cfg.sliding_window} positions") + \
         (", causal inside the block" if cfg.causal_block else "")
     serve = {"zlab": ZLAB_SERVE, "speculators": SPECULATORS_SERVE}[fmt]
-    return MODEL_CARD.format(target=target, block=cfg.block_size, layers=cfg.num_layers, ids=cfg.target_layer_ids,
-                             mask=cfg.mask_token_id, step=step, attention=attention, fmt=fmt,
+    kind = drafter_class(cfg).architecture.removesuffix("DraftModel")  # DFlash, DFlash2
+    return MODEL_CARD.format(kind=kind, target=target, block=cfg.block_size, layers=cfg.num_layers,
+                             ids=cfg.target_layer_ids, mask=cfg.mask_token_id, step=step, attention=attention, fmt=fmt,
                              serve=serve.format(target=target, out=out, spec=cfg.block_size - 1))
 
 
-MODEL_CARD = """# DFlash drafter for {target}
+MODEL_CARD = """# {kind} drafter for {target}
 
-A DFlash block-diffusion drafter ({layers} layers, block size {block}, {attention}) trained with dflash
+A {kind} block-diffusion drafter ({layers} layers, block size {block}, {attention}) trained with dflash
 (step {step}), in the {fmt} layout. It reads the target's hidden states at layers {ids} and uses the
 target's own embeddings and LM head; MASK token id {mask}.
 {serve}"""

@@ -26,8 +26,7 @@ from dflash.objective import eager_attention, layout, valid_anchors
 
 
 @torch.inference_mode()
-def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchors_per_pass: int = 256,
-               head_chunk: int = 1024) -> dict:
+def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchors_per_pass: int = 256) -> dict:
     """Greedy acceptance of the drafter against the target's recorded choices, on `shards` (cache opened
     with the drafter's layers). Every valid anchor is drafted once (a block's draft depends only on its
     anchor and the context before it); then:
@@ -40,7 +39,6 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
     - `tau_anchors`, `per_slot_anchors`: the mean over every anchor. Higher on repetitive text: decoding
       spends more cycles where the drafter fails, since each failure starts one."""
     B, window, causal = drafter.cfg.block_size, drafter.cfg.sliding_window, drafter.cfg.causal_block
-    head = drafter.head_weight  # states are cast to its dtype, never the [V, H] head to theirs
     per_anchor, documents = [], []  # accepted drafts at every valid anchor / per replayed cycle of each document
     for s in shards:
         shard = cache.read_shard(s)
@@ -62,9 +60,7 @@ def acceptance(drafter: Drafter, cache: Cache, shards: list[int], device, anchor
             pos = lay.pos[anchors][:, None] + torch.arange(B, device=device)
             attend = eager_attention(anchors, lay, B, window, causal)
             h = drafter(ctx, lay.pos, ids.reshape(-1), pos.reshape(-1), attend, ctx_kv=ctx_kv)
-            h = h.view(len(anchors), B, -1)[:, 1:].reshape(-1, h.shape[-1])
-            pred = torch.cat([(h[j : j + head_chunk].to(head.dtype) @ head.t()).argmax(-1)
-                              for j in range(0, h.shape[0], head_chunk)]).view(len(anchors), B - 1)
+            pred = drafter.propose(h.view(len(anchors), B, -1)[:, 1:], input_ids[anchors])  # [n, B-1] greedy drafts
             label_pos = anchors[:, None] + k  # the token slot k drafts; target_ids[t-1] is the target's choice
             inside = label_pos < lay.doc_end[anchors][:, None]
             match = ((pred == target_ids[(label_pos - 1).clamp(max=T - 1)]) & inside).long().cumprod(1)

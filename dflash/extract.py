@@ -153,7 +153,7 @@ def _key_fields(cfg, config, tokenizer, target_path, layer_ids, dtype) -> dict:
         "max_docs": cfg.max_docs,
         "max_len": cfg.resolved_max_len(),
         "compute_dtype": _DTYPE_NAMES[dtype],
-        **cachelib.storage_fields(cfg.storage, cfg.scale_block, text_config(config).hidden_size),
+        **cachelib.storage_fields(cfg.storage, cfg.scale_block, text_config(config).hidden_size, cfg.last_hidden),
         "packer": PACKER,
         "_files": files,  # not a key field: carried into the manifest
     }
@@ -308,26 +308,29 @@ def add_state_stats(stats: torch.Tensor, shard_of: torch.Tensor, states: torch.T
 
 
 def check_states(stats: np.ndarray, cache: cachelib.Cache, shard: int, nonfinite: str) -> dict:
-    """One shard's per-layer statistics [L, 4] as its commit record keeps them, after the checks: a layer whose
-    states hold a non-finite value (unless `--nonfinite warn`) or are all zero stops the extraction before the
-    shard is committed, naming the layer and the shard."""
+    """One shard's per-layer statistics [L, 4] (then `last_hidden`'s, when stored: [L + 1, 4]) as its commit
+    record keeps them, after the checks: a layer (or last_hidden) whose states hold a non-finite value (unless
+    `--nonfinite warn`) or are all zero stops the extraction before the shard is committed, naming it and the
+    shard."""
     m = cache.manifest
     tokens = int(cache.arrays["doc_lens"][shard].sum())
+    names = [*map(str, m.layer_ids), *([cachelib.LAST_HIDDEN] if cache.has_last_hidden else [])]
     out = {}
-    for (sum_sq, abs_max, zeros, bad), layer in zip(stats.tolist(), m.layer_ids):
+    for (sum_sq, abs_max, zeros, bad), name in zip(stats.tolist(), names, strict=True):
         values = tokens * m.hidden_size
+        what, module = (f"layer {name}", "layer") if name != cachelib.LAST_HIDDEN else (name, "final norm")
         if bad:
-            message = (f"layer {layer}'s states in shard {shard} hold {int(bad)} non-finite values (the target "
+            message = (f"{what}'s states in shard {shard} hold {int(bad)} non-finite values (the target "
                        f"overflowed in {m.compute_dtype}?)")
             if nonfinite == "fail":
                 raise DflashError(f"{message}: nothing of the shard was committed; --dtype fp32 may avoid it, "
                                   f"--nonfinite warn keeps them")
             log.warning(f"{message}; kept (--nonfinite warn)")
         if values and zeros == values:
-            raise DflashError(f"layer {layer}'s states in shard {shard} are all zero: the target's layer was not "
+            raise DflashError(f"{what}'s states in shard {shard} are all zero: the target's {module} was not "
                               f"captured (a hook on the wrong module?); nothing of the shard was committed")
-        out[str(layer)] = {"sum_squares": sum_sq, "abs_max": abs_max, "zeros": int(zeros), "nonfinite": int(bad),
-                           "values": values}
+        out[name] = {"sum_squares": sum_sq, "abs_max": abs_max, "zeros": int(zeros), "nonfinite": int(bad),
+                     "values": values}
     return out
 
 
@@ -366,10 +369,11 @@ def make_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list
 class _Slot:
     """One ring entry: the device buffers a window is computed into, and their host copies."""
 
-    hidden: torch.Tensor  # [L, W, T, H] on the device: bf16, or e4m3 bits (uint8) with fp8 storage
+    # the states: the captured layers, then (`--last-hidden`) the last hidden state after the final norm
+    hidden: torch.Tensor  # [L(+1), W, T, H] on the device: bf16, or e4m3 bits (uint8) with fp8 storage
     target_ids: torch.Tensor  # [W, T] int32 on the device
-    scale: torch.Tensor | None  # fp8 storage: [L, W, T, G] bf16 on the device
-    stats: torch.Tensor  # [L, W, 4] float64 on the device: per layer and shard, `state_stats` of its states
+    scale: torch.Tensor | None  # fp8 storage: [L(+1), W, T, G] bf16 on the device
+    stats: torch.Tensor  # [L(+1), W, 4] float64 on the device: per state and shard, `state_stats` of its states
     host: dict  # the same tensors by name, in pinned host memory (the device tensors themselves on CPU)
     copied: torch.cuda.Event | None = None  # CUDA: the window's device-to-host copy is done
     batches: list = field(default_factory=list)  # CUDA: (start, end) events around each forward
@@ -429,16 +433,20 @@ class _Writer(threading.Thread):
             self.gpu_forward_s += sum(a.elapsed_time(b) for a, b in slot.batches) / 1e3
             slot.batches.clear()
         t1 = time.perf_counter()
-        hidden = fp8.to_bits(slot.host["hidden"])  # [L, W, T, H]: bf16 bits (uint16) or e4m3 bits (uint8)
-        scale = None if slot.scale is None else fp8.to_bits(slot.host["hidden_scale"])  # [L, W, T, G]
+        hidden = fp8.to_bits(slot.host["hidden"])  # [L(+1), W, T, H]: bf16 bits (uint16) or e4m3 bits (uint8)
+        scale = None if slot.scale is None else fp8.to_bits(slot.host["hidden_scale"])  # [L(+1), W, T, G]
         target_ids = slot.host["target_ids"].numpy()
-        stats = slot.host["stats"].numpy()  # [L, W, 4]
+        stats = slot.host["stats"].numpy()  # [L(+1), W, 4]
+        L = len(self.cache.manifest.layer_ids)  # the state past them is last_hidden
+        last = self.cache.has_last_hidden
         for w, s in enumerate(shards):
             if s in self.committed:
                 continue  # committed before a crash: the window was recomputed, the shard is not rewritten
             shard_stats = check_states(stats[:, w], self.cache, s, self.nonfinite)
-            self.cache.write_shard(s, hidden[:, w], input_ids[w], loss_mask[w], target_ids[w], self.pool,
-                                   hidden_scale=None if scale is None else scale[:, w], state_stats=shard_stats)
+            self.cache.write_shard(s, hidden[:L, w], input_ids[w], loss_mask[w], target_ids[w], self.pool,
+                                   hidden_scale=None if scale is None else scale[:L, w], state_stats=shard_stats,
+                                   last_hidden=hidden[L, w] if last else None,
+                                   last_hidden_scale=scale[L, w] if last and scale is not None else None)
             self.on_commit(s)
         self.write_s += time.perf_counter() - t1
 
@@ -466,7 +474,7 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
 
     free: queue.Queue = queue.Queue()
     for _ in range(2):  # two slots: window k+1 computes while window k is copied and written
-        free.put(_make_slot(L, W, T, H, device, cache.scale_block))
+        free.put(_make_slot(L + int(cache.has_last_hidden), W, T, H, device, cache.scale_block))
     writer = _Writer(cache, committed, free, on_commit, cfg.write_threads, cfg.nonfinite)
     writer.start()
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -478,7 +486,8 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
             wait_free_s += time.perf_counter() - t0
             writer.check()
             input_ids, loss_mask, n_real, n_padded = _compute_window(target, slot, shards, row_ids, doc_lens, docs,
-                                                                     T, pad, cfg, device, cache.scale_block)
+                                                                     T, pad, cfg, device, cache.scale_block,
+                                                                     cache.has_last_hidden)
             tokens, padded = tokens + n_real, padded + n_padded
             if copy_stream is not None:
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
@@ -504,8 +513,9 @@ def _run(cfg: ExtractConfig, cache: cachelib.Cache, committed: set[int], target:
 
 
 def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs, T, pad, cfg, device,
-                    scale_block: int | None):
-    """Run every document of the window's shards through the target and place its states in the slot.
+                    scale_block: int | None, last_hidden: bool = False):
+    """Run every document of the window's shards through the target and place its states in the slot (with
+    `last_hidden`, the final norm's output after the captured layers).
     Returns the window's host input_ids / loss_mask [W, T], its real and its padded token counts."""
     W = len(shards)
     input_ids = np.full((cfg.window, T), pad, np.int32)
@@ -549,7 +559,8 @@ def _compute_window(target: Target, slot: _Slot, shards, row_ids, doc_lens, docs
         dst_t = torch.from_numpy(np.concatenate(dst)).to(device, non_blocking=True)
         hidden, last = target.forward(torch.from_numpy(ids).to(device, non_blocking=True))
         shard_of = dst_t // T  # [n_real] the window's shard each token lands in
-        for layer, h in enumerate(hidden):  # h: [b, width, H]
+        # the slot's states: the captured layers, then last_hidden (what the LM head reads) when stored
+        for layer, h in enumerate([*hidden, last] if last_hidden else hidden):  # h: [b, width, H]
             states = h.reshape(-1, h.shape[-1]).index_select(0, src_t).to(torch.bfloat16)  # [n_real, H]
             add_state_stats(slot.stats[layer], shard_of, states)
             if scale_flat is None:

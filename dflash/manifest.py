@@ -24,6 +24,8 @@ SUPPORTED_FORMATS = (FORMAT_VERSION, FP8_FORMAT_VERSION)
 STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 MAX_CHUNK_VALUES = 1 << 32  # T x H of one chunk: 8 GiB of bf16, far beyond any real shard
+# The state `last_hidden` holds: what the LM head reads, so lm_head(last_hidden[i]) is the logits for token i+1
+LAST_HIDDEN_STATE = "after the final norm"
 
 
 def num_groups(hidden_size: int, block: int) -> int:
@@ -72,8 +74,17 @@ class ConvertedFrom:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LastHidden:
+    """The optional `last_hidden` array: which state it holds, and its storage (always that of `hidden`)."""
+
+    state: str
+    storage_dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """A cache's manifest. The fields up to `packer` (and `scale_block` of fp8 caches) are its key."""
+    """A cache's manifest. The fields up to `packer` (and `scale_block` of fp8 caches, `last_hidden` of caches
+    that store it) are its key."""
 
     format_version: int
     target_config_hash: str
@@ -90,6 +101,7 @@ class Manifest:
     storage_dtype: str
     packer: dict[str, Any]
     scale_block: int | None = None  # fp8 storage: channels per scale
+    last_hidden: LastHidden | None = None  # `extract --last-hidden` only
     cache_key: str
     dflash_version: str
     target: TargetInfo
@@ -117,7 +129,7 @@ class Manifest:
     def to_dict(self) -> dict:
         """The JSON object as stored (optional fields that are unset left out)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if not (v is None and k in ("scale_block", "layer_convention", "converted_from"))}
+                if not (v is None and k in ("scale_block", "last_hidden", "layer_convention", "converted_from"))}
 
     @classmethod
     def parse(cls, data, where: str) -> Manifest:
@@ -138,6 +150,11 @@ class Manifest:
         if self.fp8 != (self.format_version == FP8_FORMAT_VERSION) or self.fp8 != (self.scale_block is not None):
             bad("format_version", f"{self.format_version}, storage_dtype {self.storage_dtype} and scale_block "
                 f"{self.scale_block} do not go together")
+        if self.last_hidden is not None and self.last_hidden.state != LAST_HIDDEN_STATE:
+            bad("last_hidden.state", f"is {self.last_hidden.state!r}: this dflash knows {LAST_HIDDEN_STATE!r}")
+        if self.last_hidden is not None and self.last_hidden.storage_dtype != self.storage_dtype:
+            bad("last_hidden.storage_dtype", f"is {self.last_hidden.storage_dtype}, not the cache's "
+                f"{self.storage_dtype}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             bad("compute_dtype", f"is {self.compute_dtype!r}, not one of {', '.join(COMPUTE_DTYPES)}")
         for field, low, high in (("num_shards", 1, 1 << 31), ("token_budget", 1, 1 << 24), ("max_docs", 1, None),

@@ -11,7 +11,8 @@ K = key/value heads x head_dim, M (MLP), V (vocabulary), L captured layers, n dr
     inputs   = 2 x (L T H x 2 bytes (fp8: 1, + its scales) + 9 T + 4 D): the step's buffers and the loader's staging
     layer    = N (4 H residuals + 8 Q + 8 K attention + 6 M MLP) + 8 T K context keys/values   (bf16 activations)
     acts     = n x layer (or what --recompute keeps of it) + 2 T L H (fc's input) + 8 R H (head rows and their
-               gradient) + 2 P (bf16 copies of the weights), x --activation-memory-budget
+               gradient) + 2 P (bf16 copies of the weights) + what the architecture adds (`Drafter.own_activations`:
+               DFlash2's convolutions and selector), x --activation-memory-budget
     chunk    = 6 c V (the cross-entropy chunk's bf16 logits and their fp32 copy; 5 chunks unrolled)
     peak     = max(kept + frozen + inputs + acts + chunk                       at the end of the forward,
                    ... + acts + a recomputed sublayer + one layer's gradients   early in the backward (--recompute),
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import DrafterConfig
+from dflash.drafter import drafter_class
 
 GB = 1e9
 CHUNK_BYTES = 6  # per logit of a cross-entropy chunk: bf16 logits + their fp32 copy
@@ -80,12 +82,13 @@ def size(n: float) -> str:
 
 
 def trainable_parameters(d: DrafterConfig) -> tuple[int, int]:
-    """(P, the largest parameter's size) of the drafter: fc, its norms and the layers (the target's embeddings and
-    head are frozen buffers)."""
+    """(P, the largest parameter's size) of the drafter: fc, its norms and the layers, and what its architecture
+    adds (DFlash2: convolutions, the selector) (the target's embeddings and head are frozen buffers)."""
     H, Q, K, M = widths(d)
     fc = len(d.target_layer_ids) * H * H
     layer = H * Q + 2 * H * K + Q * H + 3 * H * M + 2 * H + 2 * d.head_dim
-    return d.num_layers * layer + fc + 2 * H, max(fc, H * Q, H * K, H * M)
+    own, own_largest = drafter_class(d).own_sizes(d)
+    return d.num_layers * layer + fc + 2 * H + own, max(fc, H * Q, H * K, H * M, own_largest)
 
 
 def widths(d: DrafterConfig) -> tuple[int, int, int, int]:
@@ -118,7 +121,8 @@ def plan(s: StepShape) -> MemoryPlan:
     scales = L * s.T * -(-H // s.scale_block) * 2 if s.scale_block else 0
     buffer = states + scales + 9 * s.T + 4 * s.D
     per_layer, recomputed = layer_activations(s)
-    acts = d.num_layers * per_layer + 2 * s.T * L * H + 8 * s.A * (B - 1) * H + 2 * P
+    acts = (d.num_layers * per_layer + 2 * s.T * L * H + 8 * s.A * (B - 1) * H + 2 * P
+            + drafter_class(d).own_activations(d, s.A, s.recompute))
     if s.compiled and s.budget < 1:
         acts = int(acts * s.budget)
     chunk = CHUNK_BYTES * min(s.ce_chunk, s.A * (B - 1)) * V * (1 if s.regions or not s.compiled else UNROLLED_CHUNKS)

@@ -89,6 +89,7 @@ class Blocks:
     pos: torch.Tensor  # [A*B] their positions inside the document
     labels: torch.Tensor  # [A, B-1] what slots 1..B-1 should predict
     supervised: torch.Tensor  # [A, B-1] bool: the slot has a label (inside the document, with loss, real anchor)
+    prev: torch.Tensor  # [A, B-1] the data's token before each of slots 1..B-1 (the anchor's, then the data's)
 
 
 def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mask, *, block_size: int,
@@ -105,7 +106,8 @@ def make_blocks(anchors, anchor_ok, lay: Layout, input_ids, target_ids, loss_mas
     else:
         labels = input_ids[lp]
     supervised = inside & loss_mask[lp].bool() & anchor_ok[:, None]
-    return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), supervised)
+    prev = input_ids[(label_pos - 1).clamp(max=T - 1)]
+    return Blocks(ids.reshape(-1), pos.reshape(-1), labels.long(), supervised, prev.long())
 
 
 def context_mask(anchors: torch.Tensor, lay: Layout, block_size: int, window: int | None = None) -> torch.Tensor:
@@ -278,17 +280,19 @@ def flex_attention_fn(block_mask):
     return attend
 
 
-def _chunk(hc, weight, yc, need_grad: bool):
-    """One chunk of rows: (CE [c], argmax correct [c], gradient of each row's CE for hc [c, H] or None)."""
+def _chunk(hc, weight, yc, need_grad: bool, top_k: int = 0):
+    """One chunk of rows: (CE [c], argmax correct [c], gradient of each row's CE for hc [c, H] or None, the top_k
+    logits' values and indices [c, top_k] or None)."""
     logits = (hc @ weight.t()).float()  # [c, V]
     lse = logits.logsumexp(-1)
     ce = lse - logits.gather(1, yc[:, None])[:, 0]
     correct = logits.argmax(-1) == yc
+    top_values, top_ids = logits.topk(top_k) if top_k else (None, None)
     if not need_grad:
-        return ce, correct, None
+        return ce, correct, None, top_values, top_ids
     p = torch.exp(logits - lse[:, None])  # softmax
     p = p.scatter_add(1, yc[:, None], -torch.ones_like(p[:, :1]))
-    return ce, correct, (p.to(weight.dtype) @ weight).to(hc.dtype)
+    return ce, correct, (p.to(weight.dtype) @ weight).to(hc.dtype), top_values, top_ids
 
 
 def ce_rows(vocab_size: int, budget_bytes: int = 5 << 28) -> int:
@@ -301,8 +305,9 @@ def ce_rows(vocab_size: int, budget_bytes: int = 5 << 28) -> int:
 _chunk_region = torch.compiler.nested_compile_region(_chunk)
 
 
-def head_cross_entropy(h, weight, labels, weigh, chunk: int = 1024, region: bool = False):
-    """(sum of w * CE, w [N], per-row correctness of the argmax [N]) for rows h [N, H] under the frozen head W,
+def head_cross_entropy(h, weight, labels, weigh, chunk: int = 1024, region: bool = False, top_k: int = 0):
+    """(sum of w * CE, w [N], per-row correctness of the argmax [N], the top_k logits' (values, indices) [N, top_k]
+    or None when top_k is 0) for rows h [N, H] under the frozen head W,
     where the row weights w = weigh(CE) [N] are constants (no gradient flows through them: a fixed decay, or
     D-PACE's weights of the rows' own CE). Chunked: the [N, V] logits never exist at once. Each row's CE and
     the gradient of its CE for h are computed chunk by chunk (nothing of the logits is kept); once all CEs
@@ -317,26 +322,30 @@ def head_cross_entropy(h, weight, labels, weigh, chunk: int = 1024, region: bool
         ce = torch.empty(N, dtype=torch.float32, device=h.device)
         correct = torch.empty(N, dtype=torch.bool, device=h.device)
         grad = torch.empty_like(h) if need_grad else None
+        top = (torch.empty(N, top_k, dtype=torch.float32, device=h.device),
+               torch.empty(N, top_k, dtype=torch.long, device=h.device)) if top_k else None
         for i in range(0, N, chunk):  # fixed trip count: unrolled in a compiled graph (`region`: calls of one)
-            ce[i : i + chunk], correct[i : i + chunk], g = body(h[i : i + chunk], weight, labels[i : i + chunk],
-                                                                need_grad)
+            ce[i : i + chunk], correct[i : i + chunk], g, values, ids = body(h[i : i + chunk], weight,
+                                                                             labels[i : i + chunk], need_grad, top_k)
             if need_grad:
                 grad[i : i + chunk] = g
+            if top_k:
+                top[0][i : i + chunk], top[1][i : i + chunk] = values, ids
         w = weigh(ce)
         total = (w * ce).sum()
     if need_grad:
         surrogate = (h.float() * (grad.float() * w[:, None])).sum()  # d/dh = w * dCE/dh, rounded once
         total = total + (surrogate - surrogate.detach())
-    return total, w, correct
+    return total, w, correct, top
 
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # [] weighted mean cross-entropy
+    loss: torch.Tensor  # [] weighted mean cross-entropy (+ the architecture's own terms, `Drafter.extra_loss`)
     weight_sum: torch.Tensor  # []
     slot_correct: torch.Tensor  # [B-1] correct predictions among trained slots
     slot_count: torch.Tensor  # [B-1] trained slots
-    accepted: torch.Tensor  # [A] drafts greedy verification would accept (leading correct slots) per anchor
+    accepted: torch.Tensor  # [A] drafts greedy verification would accept (leading correct drafts) per anchor
     anchors: torch.Tensor  # [A]
     anchor_ok: torch.Tensor  # [A]
     anchor_doc: torch.Tensor  # [A] document of each anchor
@@ -354,10 +363,12 @@ def accepted_drafts(correct: torch.Tensor) -> torch.Tensor:
 def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_lens, *, num_anchors: int,
                  gamma: float = 7.0, loss: str = "decay", dpace_alpha: float = 0.5, labels_from: str = "target",
                  attention: str = "eager", ce_chunk: int = 1024, ce_region: bool = False, recompute: str = "none",
-                 anchors: torch.Tensor | None = None, anchor_scores: torch.Tensor | None = None,
-                 generator=None) -> StepOutput:
-    """The DFlash loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
-    doc_lens [D]. `loss`: `decay` (fixed slot weights, `gamma`) or `dpace` (D-PACE, `dpace_alpha`).
+                 selector_alpha: float = 1.0, anchors: torch.Tensor | None = None,
+                 anchor_scores: torch.Tensor | None = None, generator=None) -> StepOutput:
+    """The drafter's loss of one shard: hidden [T, L, H], input_ids / loss_mask / target_ids [T],
+    doc_lens [D]. `loss`: `decay` (fixed slot weights, `gamma`) or `dpace` (D-PACE, `dpace_alpha`), over the unary
+    cross-entropy, plus the architecture's own terms with the same weights (DFlash2: its selector's, times
+    `selector_alpha`), normalised by the weights' sum.
     `recompute`: what of each drafter layer the backward recomputes (`Drafter.forward`).
     `anchor_scores` [T] (uniform) are the random draw's numbers, drawn by the caller; `anchors` (sorted [A])
     replaces the draw, for tests."""
@@ -385,10 +396,16 @@ def drafter_loss(model: Drafter, hidden, input_ids, loss_mask, target_ids, doc_l
         weigh = lambda ce: dpace_weights(ce.view(-1, B - 1), supervised, dpace_alpha).reshape(-1)  # noqa: E731
     else:
         weigh = lambda ce: decay_weights(supervised, gamma).reshape(-1)  # noqa: E731
-    total, w, correct = head_cross_entropy(h, model.head_weight, blocks.labels.reshape(-1), weigh, ce_chunk,
-                                           ce_region)
+    labels = blocks.labels.reshape(-1)
+    total, w, correct, top = head_cross_entropy(h, model.head_weight, labels, weigh, ce_chunk, ce_region,
+                                                model.candidates)
     weight_sum = w.sum()
-    correct = correct.view(-1, B - 1) & supervised
+    correct = correct.view(-1, B - 1)
+    extra = model.extra_loss(h, labels, w, top, blocks.prev, selector_alpha)
+    if extra is not None:  # its own terms, and drafts that are not the unary argmax
+        total = total + extra[0]
+        correct = extra[1] == blocks.labels
+    correct = correct & supervised
     return StepOutput(total / weight_sum.clamp(min=1e-6), weight_sum, correct.sum(0), supervised.sum(0),
                       accepted_drafts(correct), anchors, anchor_ok, lay.doc_id[anchors],
                       visible_keys(anchors, anchor_ok, lay, B, W, causal))

@@ -4,9 +4,9 @@ Checksums prove that a cache holds the bytes it was written with; this proves th
 states. N documents are sampled across the committed shards (one stratum of shards each), their cached
 tokens run through the target alone, and every cached layer is compared with the recomputed one, after the
 storage's own rounding (bf16, or the same fp8 quantisation): the relative error |cached - recomputed| /
-|recomputed| over the document. A layer that does not match is also compared with every other layer of the
-target and with the last layer before the final norm, so that a cache captured one layer off or on the other
-side of the norm says so.
+|recomputed| over the document; a cache that stores `last_hidden` has it compared with the final norm's output
+likewise. A state that does not match is also compared with every other layer of the target and with the last
+layer before the final norm, so that a cache captured one layer off or on the other side of the norm says so.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dflash import fp8
-from dflash.cache import Cache
+from dflash.cache import LAST_HIDDEN, Cache
 from dflash.config import RecomputeConfig
 from dflash.errors import DflashError
 from dflash.target import (
@@ -126,7 +126,8 @@ def recompute(path: str | Path, cfg: RecomputeConfig, progress=None) -> dict:
     pre_norm = _PreNormHook(model, num_layers)
     scale_block = cache.scale_block
     documents, mismatches = [], []
-    worst = {str(i): 0.0 for i in m.layer_ids}
+    names = [*map(str, m.layer_ids), *([LAST_HIDDEN] if cache.has_last_hidden else [])]  # the states compared
+    worst = {name: 0.0 for name in names}
     by_shard: dict[int, list[int]] = {}
     for s, j in picked:
         by_shard.setdefault(s, []).append(j)
@@ -134,23 +135,28 @@ def recompute(path: str | Path, cfg: RecomputeConfig, progress=None) -> dict:
     shard = None
     for s, j in progress(steps) if progress else steps:
         if shard is None or shard.index != s:
-            shard = cache.read_shard(s, verify=True)
+            shard = cache.read_shard(s, verify=True, last_hidden=cache.has_last_hidden)
         start, n = int(shard.doc_lens[:j].sum()), int(shard.doc_lens[j])
         ids = torch.from_numpy(shard.input_ids[start : start + n].astype(np.int64))[None]  # [1, n]
         hidden, last = target.forward(ids)  # num_layers x [1, n, H]
         raw = {**{str(i): h[0] for i, h in enumerate(hidden)}, PRE_NORM: pre_norm.state[0].to(target.device)}
-        cached = cache.states(shard, target.device, torch.float32)[start : start + n]  # [n, L, H]
+        layers = cache.states(shard, target.device, torch.float32)[start : start + n]  # [n, L, H]
+        cached = dict(zip(map(str, m.layer_ids), layers.unbind(1), strict=True))  # each [n, H]
+        if cache.has_last_hidden:  # the state after the final norm: the last layer's, as Target returns it
+            cached[LAST_HIDDEN] = cache.last_states(shard, target.device, torch.float32)[start : start + n]
+        recomputed = {name: raw[name] if name != LAST_HIDDEN else last[0] for name in names}  # each [n, H]
         greedy = target.greedy(last[0]).cpu().numpy()
         doc = {"shard": s, "document": j, "row": int(shard.row_ids[j]), "tokens": n,
                "target_ids_agree": float((greedy == shard.target_ids[start : start + n]).mean()),
                "errors": {}}
-        for slot, layer in enumerate(m.layer_ids):
-            err = relative_error(cached[:, slot], as_stored(raw[str(layer)], scale_block))
-            doc["errors"][str(layer)] = err
-            worst[str(layer)] = max(worst[str(layer)], err)
+        for name in names:
+            err = relative_error(cached[name], as_stored(recomputed[name], scale_block))
+            doc["errors"][name] = err
+            worst[name] = max(worst[name], err)
             if err > cfg.tolerance:
-                best, best_err = min(((k, relative_error(cached[:, slot], as_stored(v, scale_block)))
+                best, best_err = min(((k, relative_error(cached[name], as_stored(v, scale_block)))
                                       for k, v in raw.items()), key=lambda kv: kv[1])
+                layer = name if name == LAST_HIDDEN else int(name)
                 mismatches.append({"shard": s, "document": j, "row": doc["row"], "layer": layer, "error": err,
                                    "closest": best if best_err <= cfg.tolerance else None, "closest_error": best_err})
         documents.append(doc)
@@ -166,13 +172,16 @@ TARGET_IDS_AGREE = 0.9
 
 def describe(mismatch: dict, tolerance: float) -> str:
     """One line for a mismatch: where, how far, and which state the cached one is instead, if any."""
+    last = mismatch["layer"] == LAST_HIDDEN
     where = (f"shard {mismatch['shard']}, document {mismatch['document']} (row {mismatch['row']}), "
-             f"layer {mismatch['layer']}")
+             + (LAST_HIDDEN if last else f"layer {mismatch['layer']}"))
     line = f"{where}: relative error {mismatch['error']:.3g} > {tolerance:g}"
     closest = mismatch["closest"]
     if closest == PRE_NORM:
         return line + (f"; it matches the last layer {PRE_NORM} ({mismatch['closest_error']:.3g}): dflash takes "
-                       f"the last layer after it")
+                       f"{LAST_HIDDEN if last else 'the last layer'} after it")
+    if closest is not None and last:
+        return line + f"; it matches layer {closest} ({mismatch['closest_error']:.3g}), not the final norm's output"
     if closest is not None:
         return line + (f"; it matches layer {closest} ({mismatch['closest_error']:.3g}): captured "
                        f"{int(closest) - mismatch['layer']:+d} layer(s) off?")

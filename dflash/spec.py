@@ -1,8 +1,9 @@
-"""`dflash spec`: greedy speculative decoding with a Hugging Face target and a DFlash drafter.
+"""`dflash spec`: greedy speculative decoding with a Hugging Face target and a DFlash (or DFlash2) drafter.
 
 A cycle: the drafter fills a block [bonus, MASK x (B-1)] in one forward, conditioned on the target's
-captured states of every token so far (its per-layer context keys/values are cached); the target
-verifies the block in one forward; the drafted tokens are kept while they equal the target's own
+captured states of every token so far (its per-layer context keys/values are cached), and drafts greedily
+from it (DFlash: each slot's argmax; DFlash2: its selector's walk over each slot's top-K from the bonus);
+the target verifies the block in one forward; the drafted tokens are kept while they equal the target's own
 greedy choices, and the target's next choice is the new bonus token. The output must equal the
 target's plain greedy decoding: `lossless` checks it prompt by prompt.
 """
@@ -215,7 +216,7 @@ def _decode(target: Target, drafter: Drafter, cache: RewindableCache, prompt, ma
         block[0] = bonus
         attend = block_attention_fn(n, ctx_start, B, W, cfg.causal_block, device)
         h = drafter(None, None, block, torch.arange(n, n + B, device=device), attend, ctx_kv=ctx_kv)
-        draft = _argmax_head(target, h[1:].to(target.head.weight.dtype))  # [B-1]
+        draft = drafter.propose(h[None, 1:], block[:1])[0]  # [B-1] greedy drafts (DFlash2: the selector's walk)
         cache.save(B)
         hidden, last = target.forward(torch.cat([block[:1], draft])[None], cache.cache)  # verify positions n..n+B-1
         choice = _argmax_head(target, last[0])  # [B]: the target's token after each verified position

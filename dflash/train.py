@@ -29,12 +29,12 @@ import torch
 from tqdm.auto import tqdm
 
 import dflash
-from dflash import checkpoint, drafter as drafter_module, fp8, logs, memory, objective
+from dflash import checkpoint, dflash2, drafter as drafter_module, fp8, logs, memory, objective
 from dflash.cache import TARGET_CONFIG_FILE, Cache
 from dflash.compile_cache import StepArtifacts, source_hash
 from dflash.config import TrainConfig, flat_dict, resolve_drafter
 from dflash.dist import Dist, close_dist, init_dist
-from dflash.drafter import Drafter, DrafterConfig
+from dflash.drafter import Drafter, DrafterConfig, build_drafter
 from dflash.drafter_io import FORMATS, check_servable, copy_weights, read_drafter
 from dflash.errors import DflashError
 from dflash.evaluate import acceptance
@@ -179,7 +179,7 @@ class LossModule(torch.nn.Module):
                            doc_lens, num_anchors=self.cfg.num_anchors, gamma=self.gamma, loss=self.cfg.loss,
                            dpace_alpha=self.cfg.dpace_alpha, labels_from=self.cfg.labels, attention=self.attention,
                            ce_chunk=self.ce_chunk, ce_region=self.cfg.compile_regions, recompute=self.cfg.recompute,
-                           anchor_scores=anchor_scores)
+                           selector_alpha=self.cfg.selector_loss_alpha, anchor_scores=anchor_scores)
         walk = torch.stack([out.anchors, out.anchor_ok.long(), out.anchor_doc, out.accepted.long()])  # [4, A]
         return out.loss, out.weight_sum, out.slot_correct, out.slot_count, walk, out.visible_keys
 
@@ -250,7 +250,7 @@ def build(cfg: TrainConfig, d: Dist, device: torch.device) -> Setup:
     train_shards, holdout = run_shards(cfg, d, cache, dcfg)
     embed, head = cache.target_weights(device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(cfg.seed)
-    drafter = Drafter(dcfg, embed, head).to(device)
+    drafter = build_drafter(dcfg, embed, head).to(device)
     drafter.reset_parameters(seed=cfg.seed)
     drafter.cache_rope(cache.token_budget + dcfg.block_size)  # every position of a shard's context and blocks
     optimizer = make_optimizer(cfg, drafter, device)
@@ -379,11 +379,13 @@ def step_fields(module: LossModule, cache: Cache, d: Dist) -> dict:
     return {"drafter": drafter, "T": cache.token_budget, "D": m.max_docs, "L": len(cache.layer_ids),
             "H": m.hidden_size, "A": cfg.num_anchors, "ce_chunk": module.ce_chunk, "gamma": module.gamma,
             "loss": cfg.loss, "dpace_alpha": cfg.dpace_alpha, "labels": cfg.labels, "storage": m.storage_dtype,
+            "selector_loss_alpha": cfg.selector_loss_alpha,
             "scale_block": module.scale_block,
             "attention": module.attention, "autocast": module.autocast, "weights": str(module.drafter.fc.weight.dtype),
             "frozen": str(module.drafter.head_weight.dtype), "compile": COMPILE_OPTIONS,
             "regions": cfg.compile_regions, "world": d.world, "memory_budget": cfg.activation_memory_budget,
-            "recompute": cfg.recompute, "code": source_hash(drafter_module, objective, fp8, LossModule, Autocast)}
+            "recompute": cfg.recompute,
+            "code": source_hash(drafter_module, dflash2, objective, fp8, LossModule, Autocast)}
 
 
 def resume(s: Setup) -> int:

@@ -381,7 +381,7 @@ def test_chunked_head_cross_entropy_matches_full_logits(weighting):
     y = torch.randint(0, 500, (37,), generator=g)
     fixed = torch.rand(37, generator=g)
     weigh = (lambda ce: fixed) if weighting == "fixed" else (lambda ce: torch.exp(-ce) + 0.1)
-    total, w, correct = head_cross_entropy(h, W, y, weigh, chunk=8)
+    total, w, correct, _ = head_cross_entropy(h, W, y, weigh, chunk=8)
     total.backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.t()
@@ -407,11 +407,11 @@ def test_chunked_cross_entropy_compiled_as_one_region_matches_eager():
     h = torch.randn(37, 16, generator=g, requires_grad=True)
     W, y = torch.randn(64, 16, generator=g), torch.randint(0, 64, (37,), generator=g)
     weigh = lambda ce: torch.exp(-ce)  # noqa: E731
-    total, _, correct = head_cross_entropy(h, W, y, weigh, chunk=8)
+    total, _, correct, _ = head_cross_entropy(h, W, y, weigh, chunk=8)
     total.backward()
     h2 = h.detach().clone().requires_grad_()
     compiled = torch.compile(lambda *a: head_cross_entropy(*a, weigh, chunk=8, region=True), backend="aot_eager")
-    total2, _, correct2 = compiled(h2, W, y)
+    total2, _, correct2, _ = compiled(h2, W, y)
     total2.backward()
     assert rel_err(total2.detach(), total.detach()) < 1e-6 and rel_err(h2.grad, h.grad) < 1e-6
     assert torch.equal(correct2, correct)

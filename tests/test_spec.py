@@ -38,6 +38,10 @@ class OracleDrafter:
         W = target.head.weight
         self.cfg = DrafterConfig(block_size=B, mask_token_id=3, target_layer_ids=[1, 2, 3], hidden_size=W.shape[1])
         self.states, self.start, self.answer, self.right = oracle_states(W), len(prompt), answer, right
+        self.head = target.head
+
+    def propose(self, h, anchor_ids):
+        return self.head(h).argmax(-1)
 
     def context(self, feats):
         return feats[:, 0]
