@@ -195,6 +195,10 @@ class DrafterConfig(_Checked):
         if self.sliding_window is not None and self.sliding_window < self.block_size:
             raise DflashError(f"--sliding-window {self.sliding_window} is shorter than the block "
                               f"(--block-size {self.block_size}): a slot must see its own block")
+        if self.arch == "dflash2":
+            self._validate_dflash2()
+
+    def _validate_dflash2(self) -> None:
         self._at_least(1, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
         if self.conv_kernel_size > self.block_size:
             raise DflashError(f"--conv-kernel-size {self.conv_kernel_size} is longer than the block "

@@ -212,6 +212,11 @@ def test_bad_dflash2_fields_are_refused_naming_the_option(fields, message):
         dataclasses.replace(DFLASH2_8B, **fields)
 
 
+def test_a_dflash_drafter_is_not_held_to_dflash2_rules():
+    cfg = dataclasses.replace(QWEN3_8B, conv_group_size=48, selector_top_k=200_000)  # unused by DFlash
+    assert cfg.arch == "dflash" and cfg.conv_group_size == 48
+
+
 def test_the_options_are_on_the_train_command():
     out = run_in_process(["train", "--help"])
     for option in ("--arch [dflash|dflash2]", "--conv-kernel-size", "--conv-group-size", "--selector-rank",
