@@ -24,6 +24,7 @@ _TINY_CONFIG = json.loads((TINY_TARGET / "config.json").read_text())
 TINY_HIDDEN, TINY_VOCAB = _TINY_CONFIG["hidden_size"], _TINY_CONFIG["vocab_size"]
 SAMPLE_TEXT = REPO / "data" / "sample" / "text.jsonl"
 SAMPLE_CHAT = REPO / "data" / "sample" / "chat.jsonl"
+PRESET = REPO / "configs" / "tiny.toml"
 CACHE_ARRAYS = ("hidden", "input_ids", "loss_mask", "target_ids", "doc_lens", "row_ids")
 
 
@@ -75,6 +76,16 @@ def sample_rows(n_text: int, n_chat: int) -> list[dict]:
 def small_data(tmp_path_factory) -> Path:
     """60 rows: 30 text, 30 chat (some multi-turn, some with a system message)."""
     return write_jsonl(tmp_path_factory.mktemp("data") / "small.jsonl", sample_rows(30, 30))
+
+
+@pytest.fixture(scope="session")
+def small_cache(tmp_path_factory) -> Path:
+    """A cache of the tiny preset's first 24 rows (`configs/tiny.toml`), read-only for the tests that share it."""
+    out = tmp_path_factory.mktemp("preset") / "cache"
+    result = run_in_process(["extract", "--config", str(PRESET), "--out", str(out), "--device", "cpu",
+                             "--limit", "24"])
+    assert result.exit_code == 0, result.output
+    return out
 
 
 def extract_args(data: Path, out: Path, **options) -> list[str]:

@@ -267,14 +267,6 @@ def test_the_memory_plan_counts_dflash2s_parameters():
 # -- end to end ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small_cache(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dflash2") / "cache"
-    result = run_in_process(["extract", "--config", PRESET, "--out", str(out), "--device", "cpu", "--limit", "24"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def train_args(cache: Path, run: Path, *extra) -> list[str]:
     return ["train", "--config", PRESET, "--cache", str(cache), "--out", str(run), "--device", "cpu", "--arch",
             "dflash2", "--selector-rank", "32", "--selector-top-k", "8", "--holdout-shards", "1", "--log-every", "1",

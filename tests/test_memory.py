@@ -152,14 +152,6 @@ def test_an_out_of_memory_is_recognised_inside_other_errors():
 # -- dflash train: the plan's line, the refusal, an out-of-memory --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small_cache(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("mem") / "cache"
-    result = run_in_process(["extract", "--config", PRESET, "--out", str(out), "--device", "cpu", "--limit", "24"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def train_args(cache: Path, run: Path, *extra) -> list[str]:
     return ["train", "--config", PRESET, "--cache", str(cache), "--out", str(run), "--device", "cpu",
             "--holdout-shards", "0", *extra]
