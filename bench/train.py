@@ -77,6 +77,7 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "long-w2048": ("long_T12288_w2048", "clong", 2048, None, "yes", 5, WINDOW),
          "long-w2048-causal": ("long_T12288_w2048_causal", "clong", 2048, None, "yes", 5,
                                {**WINDOW, "causal_block": True}),
+         "a-dflash2": ("a_T12288_dflash2", "c12288", 2048, None, "yes", 5, {"arch": "dflash2", **WINDOW}),
          # memory: the Qwen3-8B shape of run a with the memory options
          "a-budget0.5": ("a_budget0.5", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.5}),
          "a-budget0.3": ("a_budget0.3", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.3}),
@@ -242,6 +243,7 @@ SMOKE_WIDTHS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_head
 SMOKE_PLANS = {"smoke": ("smoke_chat", "cchat", 64, 6, "no", 2, {}),
                "smoke-dpace-window": ("smoke_dpace_window", "clong", 64, 4, "no", 2,
                                       {"loss": "dpace", "sliding_window": 256, "causal_block": True}),
+               "smoke-dflash2": ("smoke_dflash2", "cchat", 64, 4, "no", 2, {"arch": "dflash2", "selector_top_k": 8}),
                "smoke-memory": ("smoke_bf16_mlp", "c12288", 64, 4, "no", 2,
                                 {"optimizer_state": "bf16", "recompute": "mlp"}),
                "smoke-big": ("smoke_glm_layers", "glm8192", 64, 4, "no", 2, {"recompute": "layers"})}
