@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Loss and attention variants side by side, in one GPU call: drafters of the tiny target trained with equal
-tokens and steps on one cache of long documents, to compare D-PACE with the fixed decay (two seeds each) and
-a sliding window with full attention (documents longer than the window).
+tokens and steps on one cache of long documents, to compare D-PACE with the fixed decay (two seeds each),
+a sliding window with full attention (documents longer than the window), and DFlash2 with DFlash.
 
 1. The tiny target writes a body under every function header of its training files (`dflash regenerate`;
    or `--gen`: an earlier call's generations). The distinct texts are packed, in their files' order, into
@@ -49,6 +49,9 @@ RUNS = {
     "w2048-s1": ["--loss", "decay", "--seed", "1", "--sliding-window", "2048"],
     "w2048-causal-s0": ["--loss", "decay", "--seed", "0", "--sliding-window", "2048", "--causal-block"],
     "w256-s0": ["--loss", "decay", "--seed", "0", "--sliding-window", "256"],
+    # DFlash2 beside dpace-s0/s1 (the same loss, full attention); selector defaults (top-16, rank 256)
+    "dflash2-s0": ["--loss", "dpace", "--seed", "0", "--arch", "dflash2"],
+    "dflash2-s1": ["--loss", "dpace", "--seed", "1", "--arch", "dflash2"],
 }
 LONG = ("decay-s0", "decay-s1", "w2048-s0", "w2048-s1", "w2048-causal-s0", "w256-s0")  # online on long prompts
 
