@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._inductor.custom_graph_pass import CustomRuntimeEstimator
 
 from dflash.config import DrafterConfig
 from dflash.drafter import drafter_class
@@ -206,6 +208,47 @@ def is_out_of_memory(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+# -- the activation budget's runtime estimate ---------------------------------------------------------------------
+
+class FlopRuntime(CustomRuntimeEstimator):
+    """The partitioner's runtime estimate under `--activation-memory-budget`: torch's own flop count of a node
+    (what its default "flops" estimator returns), except for a node whose arguments carry no fake value to count
+    on (on the GPU, torch 2.11's joint graph hands one to the knapsack and its estimator raises KeyError 'val'):
+    such a node costs as much as every counted node of its graph together, so the knapsack keeps its output rather
+    than recompute it. Scaled to the graph, not a constant, so that the small nodes keep their weight beside it
+    in the solver's float32 sums."""
+
+    def __init__(self):
+        self._graph_flops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, node) -> float:
+        try:
+            return _counted_flops(node)
+        except Exception:  # noqa: BLE001 - any node torch cannot count is treated alike
+            graph = node.graph
+            if graph not in self._graph_flops:
+                self._graph_flops[graph] = sum(_counted_flops(n) for n in graph.nodes
+                                               if n.op == "call_function" and _has_flop_formula(n))
+            return max(self._graph_flops[graph], 1.0)
+
+    def uuid(self) -> str:  # the AOT autograd cache key: this estimator's version
+        return "dflash.memory.FlopRuntime/1"
+
+
+def _has_flop_formula(node) -> bool:
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in flop_registry and all("val" in a.meta for a in node.all_input_nodes)
+
+
+def _counted_flops(node) -> float:
+    from torch._functorch import partitioners
+
+    with torch._functorch.config.patch(activation_memory_budget_runtime_estimator="flops"):
+        return partitioners.estimate_runtime(node)
 
 
 # -- the leaner optimizer state ------------------------------------------------------------------------------

@@ -350,9 +350,11 @@ class MemoryBudget(torch.nn.Module):
     def __init__(self, step: torch.nn.Module, budget: float):
         super().__init__()
         self.step, self.budget = step, budget
+        self.runtime = memory.FlopRuntime()  # one object: the cache key holds its uuid
 
     def forward(self, **inputs):
-        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+        with torch._functorch.config.patch(activation_memory_budget=self.budget,
+                                           activation_memory_budget_runtime_estimator=self.runtime):
             return self.step(**inputs)
 
 

@@ -149,6 +149,28 @@ def test_an_out_of_memory_is_recognised_inside_other_errors():
     assert not is_out_of_memory(RuntimeError("out of resource: shared memory"))
 
 
+def test_the_budgets_runtime_estimate_counts_flops_and_keeps_what_it_cannot_count():
+    """The knapsack's runtime estimate is torch's flop count; a node with an argument that carries no fake value
+    (torch's own estimator raises KeyError 'val' on it) costs as much as the graph's counted nodes together."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w1, w2):
+        return torch.relu(x @ w1) @ w2  # [64, 32] @ [32, 48], then [64, 48] @ [48, 16]
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 16))
+    mms = [n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    estimate = memory.FlopRuntime()
+    assert [estimate(n) for n in mms] == [2 * 64 * 32 * 48, 2 * 64 * 48 * 16]
+    # a node whose argument has no fake value, as a subgraph's get_attr in a higher-order op
+    with gm.graph.inserting_after(mms[-1]):
+        opaque = gm.graph.get_attr("w_opaque")
+        node = gm.graph.call_function(torch.ops.aten.relu.default, (opaque,))
+    with torch._functorch.config.patch(activation_memory_budget_runtime_estimator="flops"), pytest.raises(KeyError):
+        torch._functorch.partitioners.estimate_runtime(node)
+    assert estimate(node) == 2 * 64 * 32 * 48 + 2 * 64 * 48 * 16
+    assert estimate.uuid()  # the AOT autograd cache stays on with it
+
+
 # -- dflash train: the plan's line, the refusal, an out-of-memory --------------------------------------------------
 
 
