@@ -68,17 +68,20 @@ class BlockConv(nn.Module):
 
     def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
         """x [N, H], taps delta [N, K, H/G] of each output token -> [N, H]. Channels as [H/G groups, G]: a group's
-        dynamic tap broadcasts over its G channels, never expanded to [N, K, H]."""
+        dynamic tap broadcasts over its G channels, never expanded to [N, K, H]. Tap o is summed as each source
+        token's contribution to the token o slots later, (base[o] + delta[t + o, o]) x[t], shifted into place: the
+        backward then needs x and the taps only, never a shifted copy of x."""
         N, H = x.shape
         B, K, n = self.block_size, self.taps, self.groups
         blocks = x.view(N // B, B, n, H // n)  # [A, B, H/G, G]
         base = self.base_kernel[side].view(K, n, H // n)
         delta = delta.view(N // B, B, K, n, 1)
         out = 0
-        for o in range(K):  # tap o reads the token o slots back; zeros before the block's start
-            shifted = blocks if o == 0 else F.pad(blocks[:, : B - o], (0, 0, 0, 0, o, 0))
-            # two products, not shifted * (base + delta): the sum would be a full-width tap tensor kept for the backward
-            out = out + shifted * base[o] + shifted * delta[:, :, o]
+        for o in range(K):  # zeros before the block's start: a tap never crosses it
+            taps = delta[:, :, o] if o == 0 else F.pad(delta[:, o:, o], (0, 0, 0, 0, 0, o))  # [A, B, H/G, 1] by source
+            # two products, not blocks * (base + taps): the sum would be a full-width tap tensor kept for the backward
+            part = blocks * base[o] + blocks * taps
+            out = out + (part if o == 0 else F.pad(part[:, : B - o], (0, 0, 0, 0, o, 0)))
         return out.view(N, H).to(x.dtype)
 
 
@@ -175,8 +178,12 @@ class DFlash2(Drafter):
         A, S = prev.shape
         K = cand.shape[1]
         train_cand, gold = training_candidates(cand, labels)
-        unary = (F.embedding(train_cand, self.head_weight) @ h[:, :, None].to(self.head_weight.dtype))[..., 0]
-        scores = unary.float() + self.candidate_selector.pair_scores(h, prev.reshape(-1, 1), train_cand)[:, 0].float()
+        # gathers multiplied and summed, not batched matmuls: compiled, each is one fused kernel that the backward
+        # recomputes from the indices, where a matmul's gathered operand [R, K, H] would be kept for it
+        unary = (self.head_weight[train_cand].float() * h[:, None, :].float()).sum(-1)  # [R, K]
+        selector = self.candidate_selector
+        query = selector.predecessor_codebook[prev.reshape(-1)] * selector.hidden_projection(h)  # [R, r]
+        scores = unary + (selector.successor_codebook[train_cand].float() * query[:, None, :].float()).sum(-1)
         ce = scores.logsumexp(-1) - scores.gather(1, gold[:, None])[:, 0]  # [R]
         drafts = self.candidate_selector.walk(h.view(A, S, -1), prev[:, 0], values.view(A, S, K), cand.view(A, S, K))
         return alpha * (weights * ce).sum(), drafts
@@ -196,15 +203,16 @@ class DFlash2(Drafter):
 
     @classmethod
     def own_activations(cls, cfg: DrafterConfig, num_anchors: int, recompute: str) -> int:
-        """Per block token and convolution: its taps (2 sides x K x H/G) and both sides' outputs and shifted inputs
-        (bf16); a recomputed sublayer keeps none of its convolution's. Per head row: the K head rows gathered for
-        the candidates' unary logits (bf16), the codebook rows and the selector's queries (fp32). An estimate, not
-        measured on a GPU."""
+        """Per block token and convolution: its taps (2 sides x K x H/G) and, beside DFlash's, its input (side 0's,
+        for the projection's gradient) and its sublayer's output (side 1's), bf16; a recomputed sublayer keeps
+        none of its convolution's. Per head row: the final state, the selector's queries and the candidates' ids
+        and scores (the gathered head and codebook rows are recomputed in the backward). Counted from the tensors
+        the compiled step keeps (`bench/saved.py`, CPU); not yet measured on a GPU."""
         H, K, r, B = cfg.hidden_size, cfg.conv_kernel_size, cfg.selector_rank, cfg.block_size
         N, R, k = num_anchors * B, num_anchors * (B - 1), cfg.selector_top_k
-        conv = N * (4 * K * (H // cfg.conv_group_size) + 4 * H + 4 * (K - 1) * H)
+        conv = N * (4 * K * (H // cfg.conv_group_size) + 4 * H)
         kept = {"none": 2, "mlp": 1, "attention": 1, "layers": 0}[recompute]
-        return cfg.num_layers * kept * conv + R * (2 * k * H + 4 * k * r + 12 * r)
+        return cfg.num_layers * kept * conv + R * (2 * H + 12 * k + 6 * r)
 
     @classmethod
     def format_refusal(cls, cfg: DrafterConfig, fmt: str) -> str | None:

@@ -210,6 +210,52 @@ def is_out_of_memory(e: BaseException) -> bool:
     return False
 
 
+# -- what a compiled step keeps -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kept:
+    """A tensor the forward of a compiled step keeps for its backward."""
+
+    name: str  # its node in the forward graph
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    is_input: bool  # a parameter, buffer or argument kept as it is: no memory of its own
+
+
+def kept_for_backward(fn, *args, **kwargs) -> list[Kept]:
+    """What `fn(*args, **kwargs)` compiled keeps for its backward, as the partitioner Inductor runs decides it: traced
+    and partitioned (the same min-cut, the same activation budget under `torch._functorch.config`), then run
+    eagerly, not code-generated, so seconds on a CPU for any shape it can run. Resets torch.compile's caches.
+    Flex attention has no CPU backward: a CPU step attends eagerly, so its attention part differs from the GPU's."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    kept: list[Kept] = []
+
+    def partition(joint, inputs, **kw):
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kw)
+        fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
+        for n in bw.graph.nodes:  # the backward's inputs: what the forward kept, then the outputs' gradients
+            v = n.meta.get("val")
+            if n.op == "placeholder" and not n.name.startswith("tangents") and isinstance(v, torch.Tensor):
+                kept.append(Kept(n.name, tuple(v.shape), v.dtype, v.numel() * v.element_size(), n.name in fw_inputs))
+        return fw, bw
+
+    def eager(gm, _):
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        return aot_module_simplified(gm, inputs, fw_compiler=eager, bw_compiler=eager, partition_fn=partition)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return kept
+
+
 # -- the activation budget's runtime estimate ---------------------------------------------------------------------
 
 class FlopRuntime(CustomRuntimeEstimator):

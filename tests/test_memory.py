@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import REPO, rel_err, run_in_process
 from dflash import checkpoint, memory
 from dflash.config import DrafterConfig, TrainConfig, build_config
-from dflash.drafter import Drafter
+from dflash.drafter import Drafter, drafter_class
 from dflash.errors import DflashError
 from dflash.memory import (
     BF16AdamW,
@@ -124,6 +124,37 @@ def test_the_big_drafters_are_planned_and_what_fits_an_h200_is_named(d, T, A):
     assert len(options) == 3 and "--recompute mlp" in options[1] and "--num-anchors" in options[2]
     for changed in ({"budget": 0.6}, {"recompute": "mlp"}, {"A": int(options[2].split()[1])}):
         assert plan(dataclasses.replace(s, **changed)).peak <= h200
+
+
+def test_dflash2s_own_activations_are_what_its_compiled_step_keeps_beyond_dflashs():
+    """The plan's count of what DFlash2 adds (its convolutions' and selector's activations) is what the partitioner
+    keeps for the backward of the compiled bf16 step beyond DFlash's at the same shape: within 10 %, so neither the
+    head rows gathered for the candidates [R, K, H] nor shifted copies of the convolutions' inputs are kept."""
+    from dflash.drafter import build_drafter
+    from dflash.memory import kept_for_backward
+    from dflash.train import LossModule
+
+    T, A = 768, 32
+    torch.manual_seed(0)
+    shard = dict(hidden=torch.randn(3, T, 128, dtype=torch.bfloat16), input_ids=torch.randint(0, 2000, (T,)),
+                 loss_mask=torch.ones(T, dtype=torch.uint8), target_ids=torch.randint(0, 2000, (T,)),
+                 doc_lens=torch.tensor([300, 300, 168], dtype=torch.int32), anchor_scores=torch.rand(T))
+    kept, cfgs = {}, {}
+    for arch in ("dflash", "dflash2"):
+        d = dataclasses.replace(drafter(H=128, heads=4, kv=1, head_dim=32, mlp=384, vocab=2048, layers=2, captured=3),
+                                arch=arch, selector_top_k=16, selector_rank=32, conv_group_size=16)
+        embed, head = (torch.randn(2048, 128, dtype=torch.bfloat16) for _ in range(2))
+        model = build_drafter(d, embed, head)
+        model.reset_parameters(seed=0)
+        model.cache_rope(T + 16)
+        cfg = TrainConfig(cache="c", out="o", num_anchors=A, loss="dpace")
+        weights = {tuple(p.shape) for p in model.parameters()}  # their bf16 copies: the plan's 2 P, not its own part
+        with torch.autocast("cpu", torch.bfloat16):
+            saved = kept_for_backward(LossModule(model, cfg, "eager", autocast=False), **shard)
+        kept[arch] = sum(k.nbytes for k in saved if not k.is_input and k.shape not in weights)
+        cfgs[arch] = d
+    own = drafter_class(cfgs["dflash2"]).own_activations(cfgs["dflash2"], A, "none")
+    assert rel_err(torch.tensor(float(kept["dflash2"] - kept["dflash"])), torch.tensor(float(own))) < 0.1, (kept, own)
 
 
 def test_options_that_fit_combine_with_the_leaner_optimizer_state_when_none_fits_alone():
