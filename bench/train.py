@@ -8,6 +8,7 @@ cache code:
   c. chat-like rows (lognormal length, median 700, sigma 0.8, clipped to [64, 3072], the first 15-35 %
      an unsupervised prompt) packed into T = 12288 shards, 2048 anchors: useful draft tokens/s;
   a-dpace: a with the D-PACE loss; a-w2048: a with a 2048-token sliding window;
+  a-dflash2: a-w2048 as DFlash2; a-w2048-profile, a-dflash2-profile: their CUDA kernel tables (profile_*.txt);
   long, long-w2048, long-w2048-causal: one 12288-token document per shard, 2048 anchors, full attention
      vs a 2048-token window (whole / causal block).
   Memory (`--runs memory`): a with --activation-memory-budget 0.5 / 0.3, --recompute mlp / attention / layers,
@@ -78,6 +79,9 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "long-w2048-causal": ("long_T12288_w2048_causal", "clong", 2048, None, "yes", 5,
                                {**WINDOW, "causal_block": True}),
          "a-dflash2": ("a_T12288_dflash2", "c12288", 2048, None, "yes", 5, {"arch": "dflash2", **WINDOW}),
+         # where DFlash2's extra step time goes: kernel tables of both, side by side
+         "a-w2048-profile": ("a_w2048_profile", "c12288", 2048, 10, "yes", 5, WINDOW),
+         "a-dflash2-profile": ("a_dflash2_profile", "c12288", 2048, 10, "yes", 5, {"arch": "dflash2", **WINDOW}),
          # memory: the Qwen3-8B shape of run a with the memory options
          "a-budget0.5": ("a_budget0.5", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.5}),
          "a-budget0.3": ("a_budget0.3", "c12288", 2048, None, "yes", 5, {"activation_memory_budget": 0.3}),

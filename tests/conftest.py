@@ -151,6 +151,18 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     return {name: group[name][:] for name in (*CACHE_ARRAYS, "hidden_scale") if name in group}
 
 
+def assert_same_arrays(got: Path, want: Path) -> None:
+    """The caches at `got` and `want` hold the same shard arrays, bit for bit; else the first array that differs,
+    which shards, and in which of them the first difference is (layer and token where the array has them)."""
+    a, b = read_arrays(got), read_arrays(want)
+    for name in b:
+        if not np.array_equal(a[name], b[name]):
+            where = np.argwhere(a[name] != b[name])
+            shards = sorted({int(i) for i in where[:, 0]})
+            raise AssertionError(f"{name} differs in {len(where)} values of shards {shards[:10]} (first at "
+                                 f"{tuple(int(i) for i in where[0])} of {a[name].shape}): {got} vs {want}")
+
+
 def committed(path: Path) -> list[int]:
     return sorted(int(p.stem) for p in (path / "commits").glob("*.json"))
 

@@ -18,6 +18,7 @@ from conftest import (
     TINY_HIDDEN,
     TINY_TARGET,
     TINY_VOCAB,
+    assert_same_arrays,
     bf16_bits_to_float,
     committed,
     extract_args,
@@ -309,9 +310,7 @@ def test_zstd_cache_holds_the_same_values_and_verifies(cache_dir, small_data, tm
     out = tmp_path / "z"
     assert run_in_process(extract_args(small_data, out, compressor="zstd")).exit_code == 0
     assert json.loads((out / "hidden" / "zarr.json").read_text())["codecs"][1]["name"] == "zstd"
-    got, want = read_arrays(out), read_arrays(cache_dir)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name
+    assert_same_arrays(out, cache_dir)
     want_hidden = Cache(cache_dir, layers=[3]).read_shard(1).hidden
     assert np.array_equal(Cache(out, layers=[3]).read_shard(1).hidden, want_hidden)
     assert verify(out) == []

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, committed, extract_args, read_arrays, run_cli, sample_rows, start_cli, write_jsonl
+from conftest import REPO, assert_same_arrays, committed, extract_args, run_cli, sample_rows, start_cli, write_jsonl
 from dflash.cache import read_manifest
 
 pytestmark = pytest.mark.slow
@@ -91,9 +91,7 @@ def test_sigkill_at_any_moment_then_resume_gives_identical_arrays(tmp_path, cras
     assert final.returncode == 0, final.stderr
     assert kills >= 3, "the run finished before it could be killed: make the test data larger"
     assert len(committed(out)) == total
-    got, want = read_arrays(out), read_arrays(reference)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name
+    assert_same_arrays(out, reference)
     assert read_manifest(out)["cache_key"] == read_manifest(reference)["cache_key"]
     assert run_cli(["cache", "verify", str(out)]).returncode == 0
 
@@ -110,9 +108,7 @@ def test_sigkill_during_convert_then_resume_gives_identical_arrays(tmp_path, ref
             assert len(committed(out)) < total
     assert kills == 3, f"the conversion finished before it could be killed ({len(committed(out))}/{total} shards)"
     assert run_cli(args).returncode == 0
-    got, want = read_arrays(out), read_arrays(fp8_reference)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name
+    assert_same_arrays(out, fp8_reference)
     assert read_manifest(out)["cache_key"] == read_manifest(fp8_reference)["cache_key"]
     assert run_cli(["cache", "verify", str(out)]).returncode == 0
 
@@ -124,9 +120,7 @@ def test_torchrun_two_ranks_write_one_cache_equal_to_one_process(tmp_path, crash
            "-m", "dflash", *extract_args(crash_data, out)]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    got, want = read_arrays(out), read_arrays(reference)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name
+    assert_same_arrays(out, reference)
     # each rank wrote its own windows: window k (2 shards) belongs to rank k % 2
     assert "on rank 0 of 2" in result.stdout + result.stderr
 

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY_HIDDEN, extract_args, fill_disk_after, read_arrays, rel_err, run_in_process
+from conftest import (
+    REPO,
+    TINY_HIDDEN,
+    assert_same_arrays,
+    extract_args,
+    fill_disk_after,
+    read_arrays,
+    rel_err,
+    run_in_process,
+)
 from dflash import fp8
 from dflash.cache import Cache, info, key_differences, read_manifest, verify
 from dflash.naive import fp8_round_trip
@@ -163,10 +172,8 @@ def test_convert_gives_the_fp8_extraction_and_leaves_the_source_alone(caches, tm
     assert _file_digests(bf16) == before and mtimes == {p: p.stat().st_mtime_ns for p in before}
     # extract quantises the same bf16 states the same way: the same bytes, hence the same key
     assert read_manifest(out)["cache_key"] == read_manifest(f8)["cache_key"]
-    got, want = read_arrays(out), read_arrays(f8)
-    assert "hidden_scale" in want
-    for name in want:
-        assert np.array_equal(got[name], want[name]), name
+    assert "hidden_scale" in read_arrays(f8)
+    assert_same_arrays(out, f8)
     assert read_manifest(out)["converted_from"]["cache_key"] == read_manifest(bf16)["cache_key"]
     assert verify(out) == []
     again = run_in_process(["cache", "convert", str(bf16), "--storage", "fp8", "--out", str(out)])
