@@ -207,7 +207,7 @@ class DFlash2(Drafter):
         for the projection's gradient) and its sublayer's output (side 1's), bf16; a recomputed sublayer keeps
         none of its convolution's. Per head row: the final state, the selector's queries and the candidates' ids
         and scores (the gathered head and codebook rows are recomputed in the backward). Counted from the tensors
-        the compiled step keeps (`bench/saved.py`, CPU); not yet measured on a GPU."""
+        the compiled step keeps (`bench/kept.py`, CPU); not yet measured on a GPU."""
         H, K, r, B = cfg.hidden_size, cfg.conv_kernel_size, cfg.selector_rank, cfg.block_size
         N, R, k = num_anchors * B, num_anchors * (B - 1), cfg.selector_top_k
         conv = N * (4 * K * (H // cfg.conv_group_size) + 4 * H)
