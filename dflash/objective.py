@@ -283,11 +283,16 @@ def flex_attention_fn(block_mask):
 def _chunk(hc, weight, yc, need_grad: bool, top_k: int = 0):
     """One chunk of rows: (CE [c], argmax correct [c], gradient of each row's CE for hc [c, H] or None, the top_k
     logits' values and indices [c, top_k] or None)."""
-    logits = (hc @ weight.t()).float()  # [c, V]
+    raw = hc @ weight.t()  # [c, V] in the head's dtype
+    logits = raw.float()
     lse = logits.logsumexp(-1)
     ce = lse - logits.gather(1, yc[:, None])[:, 0]
     correct = logits.argmax(-1) == yc
-    top_values, top_ids = logits.topk(top_k) if top_k else (None, None)
+    # topk is a library call, not a fused kernel: on the raw logits (the same values) it reads half the bytes of a
+    # bf16 head's and needs no float32 copy of the chunk
+    top_values, top_ids = raw.topk(top_k) if top_k else (None, None)
+    if top_k:
+        top_values = top_values.float()
     if not need_grad:
         return ce, correct, None, top_values, top_ids
     p = torch.exp(logits - lse[:, None])  # softmax
