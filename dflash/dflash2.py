@@ -118,11 +118,14 @@ class CandidateSelector(nn.Module):
         for p in self.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
+    def query(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """A[prev] * P h [..., Kp, r] for states h [..., H] and predecessors prev [..., Kp]."""
+        return self.predecessor_codebook[prev] * self.hidden_projection(h)[..., None, :]
+
     def pair_scores(self, h: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """<A[prev] * P h, B[cand]> [..., Kp, K] for states h [..., H], predecessors prev [..., Kp] and candidates
         cand [..., K] (every predecessor with every candidate)."""
-        q = F.embedding(prev, self.predecessor_codebook) * self.hidden_projection(h)[..., None, :]  # [..., Kp, r]
-        return q @ F.embedding(cand, self.successor_codebook).transpose(-1, -2)
+        return self.query(h, prev) @ self.successor_codebook[cand].transpose(-1, -2)
 
     @torch.no_grad()
     def walk(self, h: torch.Tensor, anchor: torch.Tensor, values: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -182,8 +185,8 @@ class DFlash2(Drafter):
         # recomputes from the indices, where a matmul's gathered operand [R, K, H] would be kept for it
         unary = (self.head_weight[train_cand].float() * h[:, None, :].float()).sum(-1)  # [R, K]
         selector = self.candidate_selector
-        query = selector.predecessor_codebook[prev.reshape(-1)] * selector.hidden_projection(h)  # [R, r]
-        scores = unary + (selector.successor_codebook[train_cand].float() * query[:, None, :].float()).sum(-1)
+        query = selector.query(h, prev.reshape(-1, 1)).float()  # [R, 1, r]
+        scores = unary + (selector.successor_codebook[train_cand].float() * query).sum(-1)
         ce = scores.logsumexp(-1) - scores.gather(1, gold[:, None])[:, 0]  # [R]
         drafts = self.candidate_selector.walk(h.view(A, S, -1), prev[:, 0], values.view(A, S, K), cand.view(A, S, K))
         return alpha * (weights * ce).sum(), drafts
