@@ -1,6 +1,6 @@
 """What the compiled training step keeps for its backward, tensor by tensor, on the CPU (no GPU needed).
 
-The step is traced and partitioned as Inductor's partitioner decides (`dflash.memory.kept_for_backward`), at a
+The step is traced and partitioned as Inductor's partitioner decides (`dflash.memory.kept_by_training_step`), at a
 scaled-down drafter shape, under bf16 autocast, with eager attention (flex attention has no CPU backward, so the
 attention's part differs from the GPU's; the rest is the GPU step's). Lists the largest kept tensors and the totals
 for each architecture, beside the memory plan's count of DFlash2's own part. Used to find what a new part keeps:
@@ -15,14 +15,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.config import DrafterConfig, TrainConfig  # noqa: E402
-from dflash.drafter import build_drafter, drafter_class  # noqa: E402
-from dflash.memory import FlopRuntime, kept_for_backward, size  # noqa: E402
-from dflash.train import LossModule  # noqa: E402
+from dflash.config import DrafterConfig  # noqa: E402
+from dflash.drafter import drafter_class  # noqa: E402
+from dflash.memory import kept_by_training_step, size  # noqa: E402
 
 
 def main() -> None:
@@ -40,22 +37,9 @@ def main() -> None:
                          num_key_value_heads=max(1, H // 128), head_dim=32, block_size=16, target_layer_ids=[1, 2, 3],
                          mask_token_id=V - 1, vocab_size=V, rope_theta=1e6, rms_norm_eps=1e-6,
                          max_position_embeddings=T + 16, selector_rank=32, selector_top_k=16, conv_group_size=16)
-    g = torch.Generator().manual_seed(0)
-    shard = dict(hidden=torch.randn(3, T, H, generator=g, dtype=torch.bfloat16),
-                 input_ids=torch.randint(0, V - 1, (T,), generator=g), loss_mask=torch.ones(T, dtype=torch.uint8),
-                 target_ids=torch.randint(0, V - 1, (T,), generator=g),
-                 doc_lens=torch.full((4,), T // 4, dtype=torch.int32), anchor_scores=torch.rand(T, generator=g))
     totals = {}
     for arch in ("dflash", "dflash2"):
-        d = dataclasses.replace(base, arch=arch)
-        model = build_drafter(d, torch.randn(V, H, dtype=torch.bfloat16), torch.randn(V, H, dtype=torch.bfloat16))
-        model.reset_parameters(seed=0)
-        model.cache_rope(T + 16)
-        cfg = TrainConfig(cache="c", out="o", num_anchors=A, loss="dpace")
-        with torch.autocast("cpu", torch.bfloat16), \
-                torch._functorch.config.patch(activation_memory_budget=args.budget,
-                                                activation_memory_budget_runtime_estimator=FlopRuntime()):
-            kept = kept_for_backward(LossModule(model, cfg, "eager", autocast=False), **shard)
+        kept = kept_by_training_step(dataclasses.replace(base, arch=arch), T, A, args.budget)
         own = [k for k in kept if not k.is_input]
         totals[arch] = sum(k.nbytes for k in own)
         print(f"\n{arch}: {len(kept)} tensors kept, {size(totals[arch])} of its own "

@@ -270,6 +270,29 @@ def kept_for_backward(fn, *args, **kwargs) -> list[Kept]:
     return kept
 
 
+def kept_by_training_step(d: DrafterConfig, T: int, A: int, budget: float = 1.0) -> list[Kept]:
+    """`kept_for_backward` of the bf16 training step (D-PACE) of drafter `d` (random weights) on a random shard of T
+    tokens in 4 documents with A anchors, on the CPU under `--activation-memory-budget` `budget`."""
+    from dflash.config import TrainConfig
+    from dflash.drafter import build_drafter
+    from dflash.train import LossModule
+
+    g = torch.Generator().manual_seed(0)
+    H, V = d.hidden_size, d.vocab_size
+    model = build_drafter(d, *(torch.randn(V, H, generator=g, dtype=torch.bfloat16) for _ in range(2)))
+    model.reset_parameters(seed=0)
+    model.cache_rope(T + d.block_size)
+    shard = dict(hidden=torch.randn(len(d.target_layer_ids), T, H, generator=g, dtype=torch.bfloat16),
+                 input_ids=torch.randint(0, V - 1, (T,), generator=g), loss_mask=torch.ones(T, dtype=torch.uint8),
+                 target_ids=torch.randint(0, V - 1, (T,), generator=g),
+                 doc_lens=torch.full((4,), T // 4, dtype=torch.int32), anchor_scores=torch.rand(T, generator=g))
+    step = LossModule(model, TrainConfig(cache="-", out="-", num_anchors=A, loss="dpace"), "eager", autocast=False)
+    with torch.autocast("cpu", torch.bfloat16), \
+            torch._functorch.config.patch(activation_memory_budget=budget,
+                                            activation_memory_budget_runtime_estimator=FlopRuntime()):
+        return kept_for_backward(step, **shard)
+
+
 # -- the activation budget's runtime estimate ---------------------------------------------------------------------
 
 class FlopRuntime(CustomRuntimeEstimator):
