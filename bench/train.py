@@ -12,12 +12,13 @@ cache code:
   long, long-w2048, long-w2048-causal: one 12288-token document per shard, 2048 anchors, full attention
      vs a 2048-token window (whole / causal block).
   Memory (`--runs memory`): a with --activation-memory-budget 0.5 / 0.3, --recompute mlp / attention / layers,
-     --optimizer-state bf16 alone and with the 0.5 budget.
+     --optimizer-state bf16 alone, with the 0.5 budget and with --recompute mlp.
 The big drafters (`--runs big`; 5 layers, 8 steps each):
   glm-8192: GLM-5-sized (hidden 6144, 48/8 heads, head 128, MLP 18432, vocab 154880), T = 8192 (one document),
      1024 anchors; glm-49152: T = 49,152 (6 x 8192-token documents), 4096 anchors; glm-49152-a8192: 8192
      anchors as they are (the plan refuses it in seconds), -budget (--activation-memory-budget 0.6, tried
-     though the plan says it cannot fit), -mlp (--recompute mlp); q27: Qwen3.5-27B-sized (hidden 5120,
+     though the plan says it cannot fit), -mlp (--recompute mlp), -mlp-bf16 (and --optimizer-state bf16),
+     -layers-bf16 (--recompute layers, bf16 moments: the plan's fit for an 80 GB card); q27: Qwen3.5-27B-sized (hidden 5120,
      24/4 heads, head 256, MLP 17408, vocab 248320), T = 12288 (4 x 3072), 2048 anchors.
 Each compiled (reduce-overhead) for `--steps` steps (the big ones 8), plus a few eager steps of a and b for the
 ratio. Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key count),
@@ -91,6 +92,7 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "a-bf16": ("a_bf16_moments", "c12288", 2048, None, "yes", 5, {"optimizer_state": "bf16"}),
          "a-bf16-budget0.5": ("a_bf16_budget0.5", "c12288", 2048, None, "yes", 5,
                               {"optimizer_state": "bf16", "activation_memory_budget": 0.5}),
+         "a-mlp-bf16": ("a_mlp_bf16", "c12288", 2048, None, "yes", 5, {"recompute": "mlp", "optimizer_state": "bf16"}),
          # the big drafters
          "glm-8192": ("glm_T8192_A1024", "glm8192", 1024, BIG_STEPS, "yes", 2, {}),
          "glm-49152": ("glm_T49152_A4096", "glm49152", 4096, BIG_STEPS, "yes", 2, {}),
@@ -98,10 +100,15 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "glm-49152-a8192-budget": ("glm_T49152_A8192_budget0.6", "glm49152", 8192, BIG_STEPS, "yes", 2,
                                     {"activation_memory_budget": 0.6, "memory_check": False}),
          "glm-49152-a8192-mlp": ("glm_T49152_A8192_mlp", "glm49152", 8192, BIG_STEPS, "yes", 2, {"recompute": "mlp"}),
+         "glm-49152-a8192-mlp-bf16": ("glm_T49152_A8192_mlp_bf16", "glm49152", 8192, BIG_STEPS, "yes", 2,
+                                      {"recompute": "mlp", "optimizer_state": "bf16"}),
+         "glm-49152-a8192-layers-bf16": ("glm_T49152_A8192_layers_bf16", "glm49152", 8192, BIG_STEPS, "yes", 2,
+                                         {"recompute": "layers", "optimizer_state": "bf16"}),
          "q27": ("q27_T12288_A2048", "q27", 2048, BIG_STEPS, "yes", 2, {})}
 GROUPS = {"memory": ["a", "a-budget0.5", "a-budget0.3", "a-mlp", "a-attention", "a-layers", "a-bf16",
-                     "a-bf16-budget0.5"],
-          "big": ["glm-8192", "glm-49152", "glm-49152-a8192", "glm-49152-a8192-budget", "glm-49152-a8192-mlp", "q27"]}
+                     "a-bf16-budget0.5", "a-mlp-bf16"],
+          "big": ["glm-8192", "glm-49152", "glm-49152-a8192", "glm-49152-a8192-budget", "glm-49152-a8192-mlp",
+                  "glm-49152-a8192-mlp-bf16", "glm-49152-a8192-layers-bf16", "q27"]}
 
 
 def log(*a):
