@@ -18,8 +18,8 @@ The big drafters (`--runs big`; 5 layers, 8 steps each):
      1024 anchors; glm-49152: T = 49,152 (6 x 8192-token documents), 4096 anchors; glm-49152-a8192: 8192
      anchors as they are (the plan refuses it in seconds), -budget (--activation-memory-budget 0.6, tried
      though the plan says it cannot fit), -mlp (--recompute mlp), -mlp-bf16 (and --optimizer-state bf16),
-     -layers-bf16 (--recompute layers, bf16 moments: the plan's fit for an 80 GB card); q27: Qwen3.5-27B-sized (hidden 5120,
-     24/4 heads, head 256, MLP 17408, vocab 248320), T = 12288 (4 x 3072), 2048 anchors.
+     -layers-bf16 (--recompute layers, bf16 moments: the plan's fit for an 80 GB card); q27: Qwen3.5-27B-sized
+     (hidden 5120, 24/4 heads, head 256, MLP 17408, vocab 248320), T = 12288 (4 x 3072), 2048 anchors.
 Each compiled (reduce-overhead) for `--steps` steps (the big ones 8), plus a few eager steps of a and b for the
 ratio. Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key count),
 first-step time, recompiles, peak memory (`torch.cuda.max_memory_allocated`) and the memory plan's estimate
