@@ -154,7 +154,7 @@ def test_shipped_drafter_beats_copying_on_held_out_code():
     r = run_spec(str(TINY_TARGET), str(REPO / "data" / "tiny-drafter"),
                  str(REPO / "data" / "sample" / "code_prompts.jsonl"), 64, limit=4, device="cpu")
     assert r["lossless"] is True and r["block_size"] == 16
-    assert r["tau"] >= 4.0 and r["tau"] > r["ngram_tau"], r  # 5.6 and 2.9 when written
+    assert r["tau"] >= 4.0 and r["tau"] > r["ngram_tau"], r  # 6.8 and 2.9 for the drafter shipped 2026-12-06
 
 
 @pytest.mark.parametrize("window, causal", [(None, False), (16, False), (16, True), (None, True)])
