@@ -26,7 +26,9 @@ from dflash import fp8
 from dflash.cache import Cache, info, key_differences, read_manifest, verify
 from dflash.naive import fp8_round_trip
 
-LAYERS = "1,2,3,4,5"  # the shipped tiny drafter's (1, 2, 4) among them
+LAYER_IDS = [1, 2, 3, 4, 5]  # the shipped tiny drafter's (1, 2, 4) among them
+LAYERS = ",".join(map(str, LAYER_IDS))
+slot = LAYER_IDS.index  # a target layer's place on the cache's layer axis
 
 
 def states_with_outliers(N=64, H=320, seed=0) -> torch.Tensor:
@@ -104,7 +106,7 @@ def caches(tmp_path_factory, small_data):
 def test_fp8_cache_layout_manifest_and_key(caches):
     bf16, f8 = caches
     m, m16 = read_manifest(f8), read_manifest(bf16)
-    S, T, L, H, G = m["num_shards"], 512, 5, TINY_HIDDEN, TINY_HIDDEN // 128
+    S, T, L, H, G = m["num_shards"], 512, len(LAYER_IDS), TINY_HIDDEN, TINY_HIDDEN // 128
     assert (m["format_version"], m["storage_dtype"], m["scale_block"]) == (2, "float8_e4m3fn", 128)
     c = Cache(f8)
     for name, shape, dtype, chunks in (("hidden", (S, T, L, H), "uint8", (1, T, 1, H)),
@@ -133,7 +135,7 @@ def test_fp8_states_are_the_bf16_states_within_e4m3_precision(caches):
         used = int(shard8.doc_lens.sum())
         assert torch.equal(x8[used:], torch.zeros_like(x8[used:]))  # padding reads back as exactly 0
         padded += 512 - used
-        for layer in range(5):
+        for layer in range(len(LAYER_IDS)):
             assert rel_err(x8[:used, layer], x16[:used, layer]) < 0.04, (s, layer)
         assert (x8[:used].abs().amax(-1) > 0).all()
     assert padded > 0
@@ -229,7 +231,7 @@ def test_convert_stops_at_a_corrupt_source_shard_naming_it(caches, tmp_path):
     bf16, _ = caches
     src = tmp_path / "src"
     shutil.copytree(bf16, src)
-    chunk = src / "hidden" / "c" / "2" / "0" / "2" / "0"  # shard 2, layer slot 2 (target layer 3)
+    chunk = src / "hidden" / "c" / "2" / "0" / str(slot(3)) / "0"  # shard 2, target layer 3
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x04
     chunk.write_bytes(bytes(data))
@@ -251,7 +253,7 @@ def test_verify_and_the_reader_catch_a_flipped_byte_in_states_or_scales(caches, 
     _, f8 = caches
     copy = tmp_path / "c"
     shutil.copytree(f8, copy)
-    chunk = copy / which / "c" / "1" / "0" / "4" / "0"  # shard 1, layer slot 4 (target layer 5)
+    chunk = copy / which / "c" / "1" / "0" / str(slot(5)) / "0"  # shard 1, target layer 5
     _flip(chunk, len(chunk.read_bytes()) // 3)
     bad = verify(copy)
     assert [s for s, _ in bad] == [1] and bad[0][1].startswith(f"{which} layer 5")
@@ -268,13 +270,13 @@ def test_a_layer_subset_reads_only_its_states_and_scales(caches, tmp_path):
     copy = tmp_path / "c"
     shutil.copytree(f8, copy)
     full = Cache(copy).read_shard(0)
-    for name in ("hidden", "hidden_scale"):  # layer slot 2 (target layer 3) of every shard
-        for p in (copy / name / "c").glob("*/0/2/0"):
+    for name in ("hidden", "hidden_scale"):  # target layer 3 of every shard
+        for p in (copy / name / "c").glob(f"*/0/{slot(3)}/0"):
             p.unlink()
     shard = Cache(copy, layers=[1, 5]).read_shard(0)
     assert shard.hidden.dtype == np.uint8 and shard.hidden.shape == (512, 2, TINY_HIDDEN)
-    assert np.array_equal(shard.hidden, full.hidden[:, [0, 4]])
-    assert np.array_equal(shard.hidden_scale, full.hidden_scale[:, [0, 4]])
+    assert np.array_equal(shard.hidden, full.hidden[:, [slot(1), slot(5)]])
+    assert np.array_equal(shard.hidden_scale, full.hidden_scale[:, [slot(1), slot(5)]])
 
 
 # -- training, eval, export ---------------------------------------------------------------------------
