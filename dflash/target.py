@@ -6,12 +6,14 @@ model; forward hooks on just those layers capture them, so the other layers' sta
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import inspect
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -224,6 +226,7 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype, trust_remo
         kwargs["device_map"] = parse_device_map(device_map)
         if isinstance(kwargs["device_map"], dict) and "disk" in kwargs["device_map"].values():
             kwargs["offload_folder"] = tempfile.mkdtemp(prefix="dflash-offload-")
+            atexit.register(shutil.rmtree, kwargs["offload_folder"], ignore_errors=True)  # lives as the model does
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
