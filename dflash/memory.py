@@ -224,6 +224,22 @@ def is_out_of_memory(e: BaseException) -> bool:
     return False
 
 
+def allocator_said(e: BaseException) -> str:
+    """What torch's out-of-memory message says of the allocation that failed, as " (torch tried to allocate 2.00
+    GiB with 1.2 GiB free)", or "" when the message has neither figure: how far the plan was short."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:  # the error may come inside another (a compile, a graph recording)
+        seen.add(id(e))
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    text = " ".join(chain)
+    tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
+    if not tried:
+        return ""
+    return f" (torch tried to allocate {tried[1]}" + (f" with {free[1]} free)" if free else ")")
+
+
 # -- what a compiled step keeps -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -517,7 +517,8 @@ def out_of_memory_said(s: Setup, step: int):
         options = memory.options_that_fit(s.shape, int(s.memory_plan.peak * 5 / 6))  # a sixth lower, or more
         fix = f"lower it with {', or '.join(options)}, and run the same command" if options else \
             "run the same command on a GPU with more free memory"
-        raise DflashError(f"step {step}: out of GPU memory; the plan estimated {s.memory_plan.describe()}; "
+        raise DflashError(f"step {step}: out of GPU memory{memory.allocator_said(e)}; the plan estimated "
+                          f"{s.memory_plan.describe()}; "
                           f"{last_good(s.run)}; {fix}: it resumes from there") from None
 
 

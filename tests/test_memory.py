@@ -175,6 +175,15 @@ def test_an_out_of_memory_is_recognised_inside_other_errors():
     except ValueError as e:
         assert is_out_of_memory(e)
     assert not is_out_of_memory(RuntimeError("out of resource: shared memory"))
+    try:  # torch's figures are read from inside the wrapping error too
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 301.06 MiB is free.")
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("compiling the step failed") from e
+    except RuntimeError as e:
+        assert memory.allocator_said(e) == " (torch tried to allocate 512.00 MiB with 301.06 MiB free)"
+    assert memory.allocator_said(RuntimeError("CUDA error: out of memory")) == ""
 
 
 def test_the_budgets_runtime_estimate_counts_flops_and_keeps_what_it_cannot_count():
@@ -242,7 +251,8 @@ def test_an_out_of_memory_in_a_step_is_one_line_and_the_last_checkpoint_stays(tm
     out = run_in_process(train_args(small_cache, run, "--max-steps", "10", "--save-every", "4"))
     assert out.exit_code == 1 and "Traceback" not in out.output
     (line,) = errors(out.output)
-    assert line.startswith("error: step 7: out of GPU memory; the plan estimated ~")
+    assert line.startswith("error: step 7: out of GPU memory (torch tried to allocate 2.00 GiB with 1.2 GiB free); "
+                           "the plan estimated ~")
     assert "; its last good checkpoint, step-00000004, is intact; lower it with --" in line
     assert line.endswith(", and run the same command: it resumes from there")
     assert checkpoint.latest(run).name == "step-00000004" and not list((run / "checkpoints").glob("*08"))
