@@ -213,26 +213,25 @@ def refusal(s: StepShape, p: MemoryPlan, free: int, device) -> str | None:
             f"(--no-memory-check tries anyway)")
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """A CUDA out-of-memory, raised as itself or inside another error (a compile, a CUDA-graph recording)."""
+def error_chain(e: BaseException | None):
+    """e and the errors inside it (a CUDA error may come wrapped in a compile's or a CUDA-graph recording's)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, torch.OutOfMemoryError) or re.search(r"\bout of memory\b", str(e), re.IGNORECASE):
-            return True
+        yield e
         e = e.__cause__ or e.__context__
-    return False
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory, raised as itself or inside another error (a compile, a CUDA-graph recording)."""
+    return any(isinstance(x, torch.OutOfMemoryError) or re.search(r"\bout of memory\b", str(x), re.IGNORECASE)
+               for x in error_chain(e))
 
 
 def allocator_said(e: BaseException) -> str:
     """What torch's out-of-memory message says of the allocation that failed, as " (torch tried to allocate 2.00
     GiB with 1.2 GiB free)", or "" when the message has neither figure: how far the plan was short."""
-    chain, seen = [], set()
-    while e is not None and id(e) not in seen:  # the error may come inside another (a compile, a graph recording)
-        seen.add(id(e))
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
-    text = " ".join(chain)
+    text = " ".join(map(str, error_chain(e)))
     tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
     if not tried:
