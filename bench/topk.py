@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +34,6 @@ def two_stage_topk(x: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, t
 
 def timed(fn, x, k, reps: int) -> float:
     """Milliseconds per call (CUDA events; CPU: wall clock)."""
-    import time
     for _ in range(3):
         fn(x, k)
     if x.is_cuda:

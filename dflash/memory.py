@@ -230,7 +230,7 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 def allocator_said(e: BaseException) -> str:
     """What torch's out-of-memory message says of the allocation that failed, as " (torch tried to allocate 2.00
-    GiB with 1.2 GiB free)", or "" when the message has neither figure: how far the plan was short."""
+    GiB with 1.2 GiB free)", or "" without torch's "Tried to allocate" figure: how far the plan was short."""
     text = " ".join(map(str, error_chain(e)))
     tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     free = re.search(r"of which ([\d.]+ [KMGT]?i?B) is free", text)
