@@ -18,7 +18,8 @@ The big drafters (`--runs big`; 5 layers, 8 steps each):
      1024 anchors; glm-49152: T = 49,152 (6 x 8192-token documents), 4096 anchors; glm-49152-a8192: 8192
      anchors as they are (the plan refuses it in seconds), -budget (--activation-memory-budget 0.6, tried
      though the plan says it cannot fit), -mlp (--recompute mlp), -mlp-bf16 (and --optimizer-state bf16),
-     -layers-bf16 (--recompute layers, bf16 moments: the plan's fit for an 80 GB card); q27: Qwen3.5-27B-sized
+     -layers-bf16 (--recompute layers, bf16 moments); glm-49152-a5376-layers-bf16: the anchors that the
+     80 GB card's out-of-memory advised; q27: Qwen3.5-27B-sized
      (hidden 5120, 24/4 heads, head 256, MLP 17408, vocab 248320), T = 12288 (4 x 3072), 2048 anchors.
 Each compiled (reduce-overhead) for `--steps` steps (the big ones 8), plus a few eager steps of a and b for the
 ratio. Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key count),
@@ -103,6 +104,8 @@ PLANS = {"a": ("a_T12288", "c12288", 2048, None, "yes", 5, {}),
          "glm-49152-a8192-mlp-bf16": ("glm_T49152_A8192_mlp_bf16", "glm49152", 8192, BIG_STEPS, "yes", 2,
                                       {"recompute": "mlp", "optimizer_state": "bf16"}),
          "glm-49152-a8192-layers-bf16": ("glm_T49152_A8192_layers_bf16", "glm49152", 8192, BIG_STEPS, "yes", 2,
+                                         {"recompute": "layers", "optimizer_state": "bf16"}),
+         "glm-49152-a5376-layers-bf16": ("glm_T49152_A5376_layers_bf16", "glm49152", 5376, BIG_STEPS, "yes", 2,
                                          {"recompute": "layers", "optimizer_state": "bf16"}),
          "q27": ("q27_T12288_A2048", "q27", 2048, BIG_STEPS, "yes", 2, {})}
 GROUPS = {"memory": ["a", "a-budget0.5", "a-budget0.3", "a-mlp", "a-attention", "a-layers", "a-bf16",
@@ -307,6 +310,8 @@ def main():
         except Exception as e:  # keep going: one device call should tell as much as it can
             traceback.print_exc()
             res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "after_s": time.perf_counter() - t1}
+            if device == "cuda":  # what the step had allocated at most before it failed (an out-of-memory's floor)
+                res[key]["peak_before_error_gb"] = torch.cuda.max_memory_allocated() / 1e9
         torch._dynamo.reset()
         gc.collect()
         if device == "cuda":
@@ -323,7 +328,8 @@ def print_table(res: dict) -> None:
         if not isinstance(r, dict):
             continue
         if "error" in r:
-            print(f"| {k} | error after {r['after_s']:.0f} s: {r['error'][:400]} |")
+            floor = f" (peak before it {r['peak_before_error_gb']:.1f} GB)" if "peak_before_error_gb" in r else ""
+            print(f"| {k} | error after {r['after_s']:.0f} s{floor}: {r['error'][:400]} |")
             continue
         ratio = f"{r['memory_plan_gb'] / r['peak_mem_gb']:.3f}" if r["peak_mem_gb"] else "–"
         print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
