@@ -15,7 +15,9 @@ K = key/value heads x head_dim, M (MLP), V (vocabulary), L captured layers, n dr
                DFlash2's convolutions and selector), x budget_share(--activation-memory-budget)
     chunk    = 6 c V (the cross-entropy chunk's bf16 logits and their fp32 copy; 5 chunks unrolled)
     peak     = max(kept + frozen + inputs + acts + chunk                       at the end of the forward,
-                   ... + acts + a recomputed sublayer + one layer's gradients   early in the backward (--recompute),
+                   ... + acts + a recomputed sublayer + one layer's gradients   early in the backward (--recompute;
+                                                                                  a whole layer: + 4 N M, its MLP's
+                                                                                  input gradients),
                    kept + 4 P + frozen + inputs (+ bf16 moments' fp32 scratch)  at the optimizer step)
 
 Gradients (4 P) exist only from the backward to the optimizer step (they are freed after it), while the
@@ -23,7 +25,8 @@ activations shrink. `layer` counts, per block token, the two residual states, th
 norm and RoPE, the attention's output and its copy for o_proj, the block's keys and values (before and after,
 and concatenated with the context's) and the MLP's gate, up and their product. Against ten peaks that
 `torch.cuda.max_memory_allocated` measured on an H200 (Qwen3-8B, GLM-5- and Qwen3.5-27B-sized drafters, T = 3072
-to 49,152, 512 to 4,096 anchors, three chunk sizes, the chunk as a region or unrolled) it is within 3.5 %.
+to 49,152, 512 to 4,096 anchors, three chunk sizes, the chunk as a region or unrolled) it is within 3.5 %, and
+within 2.5 % of six that an H100 measured with --recompute mlp / layers and bf16 moments.
 Under `--activation-memory-budget` the partitioner keeps more than the budget's share (`budget_share`, measured
 once); an uncompiled step keeps more.
 """
@@ -107,8 +110,12 @@ def layer_activations(s: StepShape) -> tuple[int, int]:
     N = s.A * d.block_size
     residual, attention, mlp, context = 4 * H * N, (8 * Q + 8 * K) * N, 6 * M * N, 8 * K * s.T
     whole = residual + attention + mlp + context
+    # a recomputed whole layer is alive beside its MLP's gradients (gate's and up's, bf16 [N, M] each): an H100
+    # measured that much more than `whole` under --recompute layers (+1.8 GB at the Qwen3-8B shape, +6.1 GB for the
+    # GLM-5-sized drafter at 5376 anchors), and its out-of-memory at 8192 anchors failed allocating one [N, M]
+    mlp_gradients = 4 * M * N
     return {"none": (whole, 0), "mlp": (whole - mlp, mlp), "attention": (whole - attention, attention),
-            "layers": (2 * H * N + context, whole)}[s.recompute]
+            "layers": (2 * H * N + context, whole + mlp_gradients)}[s.recompute]
 
 
 # What --activation-memory-budget b keeps of the activations: torch bounds the kept share of what it may recompute

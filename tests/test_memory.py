@@ -103,6 +103,28 @@ def test_the_plan_is_within_5_percent_of_the_peaks_measured_on_an_h200(d, T, A, 
     assert abs(estimate - peak) / peak < 0.05, (estimate, peak)
 
 
+# peaks measured on an H100 by bench/train.py with the memory options (bench/RESULTS.md, 2026-12-06 and -07):
+# drafter, T, anchors, --recompute, --optimizer-state, GB
+MEASURED_OPTIONS = [(QWEN3_8B, 12288, 2048, "mlp", "fp32", 32.3), (QWEN3_8B, 12288, 2048, "none", "bf16", 40.1),
+                    (QWEN3_8B, 12288, 2048, "mlp", "bf16", 28.1), (QWEN3_8B, 12288, 2048, "layers", "fp32", 28.6),
+                    (GLM5, 49152, 5376, "layers", "bf16", 72.4), (GLM5, 8192, 1024, "none", "fp32", 57.1)]
+
+
+@pytest.mark.parametrize("d,T,A,recompute,state,peak", MEASURED_OPTIONS)
+def test_the_plan_is_within_5_percent_of_the_peaks_measured_with_the_memory_options(d, T, A, recompute, state, peak):
+    estimate = plan(shape(d, T, A, recompute=recompute, optimizer_state=state)).peak / GB
+    assert abs(estimate - peak) / peak < 0.05, (estimate, peak)
+
+
+def test_the_plan_counts_what_the_h100s_out_of_memory_needed():
+    """The GLM-5-sized step at 8192 anchors with whole layers recomputed and bf16 moments ran out of memory on an
+    H100 after a peak of 74.8 GB, asking for 4.50 GiB more: the plan says it needs at least that, so it refuses
+    the run on that card's 84.2 GB free instead of letting it fail after a compile."""
+    s = shape(GLM5, 49152, 8192, recompute="layers", optimizer_state="bf16")
+    assert plan(s).peak > 74.8 * GB + 4.5 * 2**30
+    assert refusal(s, plan(s), int(84.2 * GB), "cuda:0") is not None
+
+
 def test_the_plan_under_an_activation_budget_is_what_an_h100_measured():
     """The budget's one GPU measure (bench/RESULTS.md, 2026-12-06), the point `memory.BUDGET_FLOOR` is fitted to:
     at 0.5 the Qwen3-8B step peaked at 39.2 GB, where a plan taking the budget as the kept share said 30.8."""
