@@ -201,6 +201,8 @@ def test_mismatches_fail_fast_with_one_line(tmp_path, tiny_cache, case, message)
 def test_corrupt_shard_fails_naming_it_or_is_skipped(tmp_path, tiny_cache):
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
+    for record in sorted((cache / "commits").glob("*.json"))[12:]:  # a short epoch: the first 12 shards committed
+        record.unlink()
     chunk = cache / "input_ids" / "c" / "5" / "0"
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
@@ -231,24 +233,24 @@ def test_torchrun_two_ranks_train_with_ddp(tmp_path, tiny_cache):
 
 
 def test_follow_trains_on_shards_as_they_are_committed(tmp_path, tiny_cache):
-    """Half the shards are not committed when training starts; with --follow it waits for them."""
+    """10 shards are committed when a 20-step run starts; with --follow it waits for the rest."""
     cache = tmp_path / "cache"
     shutil.copytree(tiny_cache, cache)
     hidden = tmp_path / "later"
     hidden.mkdir()
     records = sorted((cache / "commits").glob("*.json"))
-    for p in records[len(records) // 2:]:
+    for p in records[10:]:
         p.rename(hidden / p.name)
     args = ["train", "--config", PRESET, "--cache", str(cache), "--out", str(tmp_path / "run"), "--device", "cpu",
-            "--epochs", "1", "--holdout-shards", "0", "--follow", "--log-every", "1"]
+            "--epochs", "1", "--max-steps", "20", "--holdout-shards", "0", "--follow", "--log-every", "1"]
     proc = start_cli(args)
     time.sleep(8)
-    assert proc.poll() is None, "with half the shards missing, a one-epoch run cannot have finished"
+    assert proc.poll() is None, "with 10 of 20 steps' shards committed, the run cannot have finished"
     for p in hidden.iterdir():  # "the extract commits the rest"
         p.rename(cache / "commits" / p.name)
     assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
     steps = [m["step"] for m in metrics(tmp_path / "run") if "loss" in m]
-    assert steps[-1] == len(records)
+    assert steps == list(range(1, 21))
 
 
 def test_eval_refuses_a_drafter_of_another_target(trained_run, tmp_path):
