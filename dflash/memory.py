@@ -26,7 +26,7 @@ norm and RoPE, the attention's output and its copy for o_proj, the block's keys 
 and concatenated with the context's) and the MLP's gate, up and their product. Against ten peaks that
 `torch.cuda.max_memory_allocated` measured on an H200 (Qwen3-8B, GLM-5- and Qwen3.5-27B-sized drafters, T = 3072
 to 49,152, 512 to 4,096 anchors, three chunk sizes, the chunk as a region or unrolled) it is within 3.5 %, and
-within 2.5 % of six that an H100 measured with --recompute mlp / layers and bf16 moments.
+within 2.5 % of five that an H100 measured with --recompute mlp / layers and bf16 moments.
 Under `--activation-memory-budget` the partitioner keeps more than the budget's share (`budget_share`, measured
 once); an uncompiled step keeps more.
 """
