@@ -6,6 +6,7 @@ speculative decoding is lossless."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -57,9 +58,10 @@ def states(model, ids: torch.Tensor) -> torch.Tensor:
 def decoded_states(model, ids: torch.Tensor) -> torch.Tensor:
     """[n, L, H]: the same layers while decoding `ids` one token at a time through the KV cache."""
     cache, rows = DynamicCache(config=model.config), []
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.2x
     with torch.no_grad():
         for t in range(len(ids)):
-            out = model(ids[None, t : t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+            out = model(ids[None, t : t + 1], **{name: cache}, use_cache=True, output_hidden_states=True)
             rows.append(torch.stack([out.hidden_states[i + 1][0, 0] for i in LAYERS]))
     return torch.stack(rows)
 
