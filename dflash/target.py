@@ -159,9 +159,7 @@ class Target:
         self.input_device = model.get_input_embeddings().weight.device
         self.device = device or self.input_device
         self.greedy_chunk = greedy_chunk
-        # transformers renamed `past_key_values` to `cache` (5.2x); take whichever the model has
-        params = inspect.signature(self.backbone.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_argument(self.backbone.forward)
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_layers(model, self.num_layers)
         for i in self.layer_ids:
@@ -197,6 +195,11 @@ class Target:
         for i in range(0, h.shape[0], self.greedy_chunk):
             out[i : i + self.greedy_chunk] = self.head(h[i : i + self.greedy_chunk]).argmax(-1).to(h.device)
         return out
+
+
+def cache_argument(forward) -> str:
+    """The name `forward` takes its KV cache by: transformers renamed `past_key_values` to `cache` (5.2x)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:

@@ -6,7 +6,6 @@ speculative decoding is lossless."""
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import numpy as np
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import REPO, bf16_bits_to_float, read_arrays, rel_err, run_in_process, sample_rows, write_jsonl
 from dflash.families import make_exact
+from dflash.target import cache_argument
 from families import FAMILIES, HYBRIDS, MASK_ID, MOE, tiny_target
 
 LAYERS = [0, 2, 3]  # the last one (3) is HF's hidden_states[4]: after the final norm
@@ -58,7 +58,7 @@ def states(model, ids: torch.Tensor) -> torch.Tensor:
 def decoded_states(model, ids: torch.Tensor) -> torch.Tensor:
     """[n, L, H]: the same layers while decoding `ids` one token at a time through the KV cache."""
     cache, rows = DynamicCache(config=model.config), []
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.2x
+    name = cache_argument(model.forward)
     with torch.no_grad():
         for t in range(len(ids)):
             out = model(ids[None, t : t + 1], **{name: cache}, use_cache=True, output_hidden_states=True)
