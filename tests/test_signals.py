@@ -34,8 +34,10 @@ EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def start(args: list[str], patch: str = "") -> subprocess.Popen:
     """`python -m dflash ARGS` in the background, after `patch` (Python run first: slows a run this small
-    down enough to be stopped mid-way on any machine)."""
-    code = (f"import sys, time\n{patch}\nfrom dflash.__main__ import command\n"
+    down enough to be stopped mid-way on any machine). Ctrl-C's handler is set first: a shell starts its background
+    jobs (a test suite run with `&`) with SIGINT ignored, and the child would inherit that."""
+    code = (f"import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n{patch}\n"
+            f"from dflash.__main__ import command\n"
             f"command()(sys.argv[1:], prog_name='dflash')")
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
