@@ -72,7 +72,7 @@ def offline_tau(drafter: Path, cache: Path, device: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="results (summary.json, logs, the export)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/qg-work"), help="scratch: data, caches, runs")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qg-work"), help="scratch, emptied at the start")
     ap.add_argument("--budget", type=float, default=540, help="seconds for everything, from this script's start")
     ap.add_argument("--prompts", default=".qdata/code_all.jsonl", help="headers for the target to continue")
     ap.add_argument("--gen", help="already generated rows (skips regenerate; .jsonl or .jsonl.gz)")
@@ -92,7 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     out, work = args.out, args.work
     out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a second call on a warm machine would resume the first call's runs
+    work.mkdir(parents=True)
     log = out / "log.txt"
     dev = "cpu" if args.smoke else "cuda"
     layer_sets = args.layers or ["1,3,5"]
