@@ -87,9 +87,10 @@ def test_the_plans_parts_sum_to_its_peak_and_move_with_the_shape_and_the_options
     assert lean.parts["optimizer scratch"] == 16 * trainable_parameters(QWEN3_8B)[1]
 
 
-# peaks `torch.cuda.max_memory_allocated` measured on an H200 by bench/train.py (bench/RESULTS.md; the GLM-5- and
-# Qwen3.5-27B-sized drafters' from its big runs): drafter, T, anchors, cross-entropy rows (None: the default), region,
-# GB
+# peaks `torch.cuda.max_memory_allocated` measured on an H200 by bench/train.py (the Qwen3-8B shapes' in
+# bench/RESULTS.md; the GLM-5- and Qwen3.5-27B-sized drafters' from its big runs before the memory options,
+# not written up there):
+# drafter, T, anchors, cross-entropy rows (None: the default), region, GB
 MEASURED = [(QWEN3_8B, 12288, 2048, None, True, 44.3), (QWEN3_8B, 3072, 512, None, True, 25.2),
             (QWEN3_8B, 12288, 2048, 1024, True, 43.4), (QWEN3_8B, 12288, 2048, 4096, True, 46.1),
             (QWEN3_8B, 12288, 2048, 1024, False, 48.0), (QWEN3_8B, 3072, 512, 1024, True, 24.3),
