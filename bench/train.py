@@ -23,8 +23,9 @@ The big drafters (`--runs big`; 5 layers, 8 steps each):
      (hidden 5120, 24/4 heads, head 256, MLP 17408, vocab 248320), T = 12288 (4 x 3072), 2048 anchors.
 Each compiled (reduce-overhead) for `--steps` steps (the big ones 8), plus a few eager steps of a and b for the
 ratio. Step time, context tokens/s, MFU (FLOPs counted by `flops_per_step`, with the real visible-key count),
-first-step time, recompiles, peak memory (`torch.cuda.max_memory_allocated`) and the memory plan's estimate
-made before the compile, input wait. Checkpoints are not written (their write is not the step).
+first-step time, recompiles, peak memory (`torch.cuda.max_memory_allocated`; reserved: the allocator's
+`max_memory_reserved`, its cached blocks included) and the memory plan's estimate made before the compile, input
+wait. Checkpoints are not written (their write is not the step).
 
     python bench/train.py --out $OUT --work /tmp/bench-train [--runs a,b,...|big|memory]
 """
@@ -222,6 +223,8 @@ def run(name: str, cache: Path, work: Path, anchors: int, steps: int, compile_: 
            "input_wait": float(np.mean([x["input_wait"] for x in steady])),
            "useful_draft_tokens_per_s": float(np.mean([x["trained_slots_per_step"] for x in steady])) * tok_s / T,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, "wall_s": wall,
+           # what the allocator held at most (allocated plus its cached blocks): what an out-of-memory is about
+           "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else 0.0,
            "final_loss": lines[-1]["loss"], "cudagraph_skips": stats["cudagraph_skips"],
            "memory_plan_gb": stats["memory_plan_gb"], "compile": next((x for x in records if "compile" in x), None)}
     shutil.rmtree(out, ignore_errors=True)
@@ -312,6 +315,7 @@ def main():
             res[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "after_s": time.perf_counter() - t1}
             if device == "cuda":  # what the step had allocated at most before it failed (an out-of-memory's floor)
                 res[key]["peak_before_error_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                res[key]["peak_reserved_before_error_gb"] = torch.cuda.max_memory_reserved() / 1e9
         torch._dynamo.reset()
         gc.collect()
         if device == "cuda":
@@ -334,7 +338,8 @@ def print_table(res: dict) -> None:
         ratio = f"{r['memory_plan_gb'] / r['peak_mem_gb']:.3f}" if r["peak_mem_gb"] else "–"
         print(f"| {k} | {r['step_ms']:.0f} | {r['context_tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
               f"{r['first_step_s']:.1f} | {r['recompiles']} | {r['cudagraph_skips']} | {r['peak_mem_gb']:.1f} | "
-              f"{r['memory_plan_gb']:.1f} | {ratio} | {r['input_wait']:.1%} | {r['useful_draft_tokens_per_s']:,.0f} |")
+              f"{r['peak_reserved_gb']:.1f} | {r['memory_plan_gb']:.1f} | {ratio} | {r['input_wait']:.1%} | "
+              f"{r['useful_draft_tokens_per_s']:,.0f} |")
 
 
 if __name__ == "__main__":
