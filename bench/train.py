@@ -325,9 +325,9 @@ def main():
 
 
 def print_table(res: dict) -> None:
-    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | cudagraph skips | peak GB | plan GB "
-          "| plan / peak | input wait | useful draft tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | step ms | ctx tok/s | MFU | first step s | recompiles | cudagraph skips | peak GB | reserved GB "
+          "| plan GB | plan / peak | input wait | useful draft tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k, r in res.items():
         if not isinstance(r, dict):
             continue
