@@ -283,7 +283,7 @@ def step_shape(cfg: TrainConfig, dcfg: DrafterConfig, cache: Cache, d: Dist, com
 def check_memory(cfg: TrainConfig, shape: StepShape, device: torch.device, d: Dist) -> MemoryPlan:
     """The step's memory plan, logged. On a GPU, a step whose estimate exceeds the free memory stops here in one
     line that names options that fit, before anything is allocated or compiled (on every rank if on any);
-    --no-memory-check says it and goes on."""
+    --no-memory-check says it and goes on. A step that fits with little to spare is warned of."""
     plan = memory.plan(shape)
     free = memory.device_memory(device)
     where = f"; {memory.size(free[0])} free on {device}" if free else " on a GPU (a CPU run is not checked)"
@@ -296,8 +296,8 @@ def check_memory(cfg: TrainConfig, shape: StepShape, device: torch.device, d: Di
         refusal = next((x for x in said if x is not None), None)
     if refusal and cfg.memory_check:
         raise DflashError(refusal)
-    if refusal:
-        log.warning(refusal)
+    if warning := refusal or (memory.tight(plan, free[0], device) if free else None):
+        log.warning(warning)
     return plan
 
 
